@@ -1,0 +1,3 @@
+from convert.cli import main
+
+raise SystemExit(main())

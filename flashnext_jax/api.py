@@ -1,0 +1,197 @@
+"""Public single-request API: `load(path)` -> `Model` with `logits()` and greedy `generate()`.
+
+The batched, slot-indexed serving engine lives in `engine.py`/`llm.py`; this module is the smallest correct way to
+run the model, used by notebooks, parity tests and the `flashnext generate` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, from_hf_config
+from .model import Batch, State, forward, init_state
+from .mtp import init_mtp_cache, mtp_forward
+from .ple import NgramHasher, gather_rows
+from .weights import PLE_BUFFERS, CheckpointError, build_params, check_tensors
+
+log = logging.getLogger("flashnext_jax")
+
+DEMO_MODEL = Path(__file__).parent / "demo_model"
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Round lengths up to powers of two so jit compiles once per bucket, not once per length."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+@partial(jax.jit, static_argnames=("cfg", "logits_last_only"), donate_argnames=("state",))
+def _step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only: bool):
+    return forward(params, cfg, batch, state, logits_last_only=logits_last_only)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _mtp_step(params, cfg, hyper, next_tokens, start, n_valid, cache):
+    return mtp_forward(params, cfg, hyper, next_tokens, start, n_valid, cache)
+
+
+class Model:
+    """A loaded model: config, params (device), the n-gram table (host) and its hasher."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, table, dtype, path: Path | None = None,
+                 table_scale: float | None = None):
+        self.cfg, self.params, self.table, self.dtype, self.path = cfg, params, table, dtype, path
+        self.table_scale = table_scale  # FP8 n-gram tables carry one per-tensor scale
+        self.hasher = NgramHasher(cfg) if cfg.ple_layers else None
+        self.has_mtp = "mtp" in params
+
+    # ---- host side --------------------------------------------------------------------------------
+    def check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("token_ids must be a non-empty 1-D sequence of integers")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("token_ids must be integers")
+        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is out of range [0, {self.cfg.vocab_size})")
+        return ids.astype(np.int64)
+
+    def ple_rows(self, context: np.ndarray | None, tokens: np.ndarray, length: int) -> np.ndarray:
+        """Host-gathered n-gram rows [n_ple, 1, length, E] for `tokens` (zero-padded to `length`)."""
+        if self.hasher is None:
+            return np.zeros((0, 1, length, 1), np.float32)
+        ctx = self.hasher.initial_context() if context is None else context
+        rows = gather_rows(self.table, self.hasher.ids(ctx, tokens), self.table_scale)
+        out = np.zeros((1, 1, length, rows.shape[-1]), rows.dtype)
+        out[0, 0, : len(tokens)] = rows
+        return out
+
+    def _batch(self, tokens: np.ndarray, start: int, length: int, context) -> Batch:
+        padded = np.zeros((1, length), np.int32)
+        padded[0, : len(tokens)] = tokens
+        return Batch(tokens=jnp.asarray(padded), start=jnp.asarray([start], jnp.int32),
+                     n_valid=jnp.asarray([len(tokens)], jnp.int32),
+                     ple_rows=jnp.asarray(self.ple_rows(context, tokens, length), self.dtype))
+
+    # ---- public API -------------------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Prefill one unpadded sequence -> fp32 logits [T, vocab]."""
+        ids = self.check_tokens(token_ids)
+        t = len(ids)
+        length = _bucket(t)
+        state = init_state(self.cfg, 1, length, self.dtype)
+        logits, _, _ = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, False)
+        return np.asarray(logits[0, :t], np.float32)
+
+    def hidden_and_logits(self, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """-> (pre-final-mixer hyper state [T, S*H], logits [T, V]) for one sequence (used by MTP tests)."""
+        ids = self.check_tokens(token_ids)
+        length = _bucket(len(ids))
+        state = init_state(self.cfg, 1, length, self.dtype)
+        logits, hyper, _ = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, False)
+        return np.asarray(hyper[0, : len(ids)]), np.asarray(logits[0, : len(ids)], np.float32)
+
+    def mtp_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """MTP draft logits [T-1, V]: row p predicts token p+2 from hidden p and token p+1 (teacher-forced)."""
+        if not self.has_mtp:
+            raise ValueError("this checkpoint has no MTP tensors")
+        ids = self.check_tokens(token_ids)
+        t = len(ids)
+        hyper, _ = self.hidden_and_logits(ids)
+        length = _bucket(t)
+        hyper_p = np.zeros((1, length, hyper.shape[-1]), hyper.dtype)
+        hyper_p[0, : t - 1] = hyper[: t - 1]
+        nxt = np.zeros((1, length), np.int32)
+        nxt[0, : t - 1] = ids[1:]
+        cache = init_mtp_cache(self.cfg, 1, length, self.dtype)
+        logits, _, _ = _mtp_step(self.params, self.cfg, jnp.asarray(hyper_p), jnp.asarray(nxt),
+                                 jnp.zeros((1,), jnp.int32), jnp.asarray([t - 1], jnp.int32), cache)
+        return np.asarray(logits[0, : t - 1], np.float32)
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32, *, stop_at_eos: bool = False) -> list[int]:
+        """Greedy decoding: prefill, then one incremental decode step per new token on this request's state."""
+        ids = self.check_tokens(token_ids)
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if max_new_tokens == 0:
+            return []
+        total = len(ids) + max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_position_embeddings")
+        state = init_state(self.cfg, 1, _bucket(total), self.dtype)
+        length = _bucket(len(ids))
+        logits, _, state = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, True)
+        context = self.hasher.next_context(self.hasher.initial_context(), ids) if self.hasher else None
+        out: list[int] = []
+        pos = len(ids)
+        while True:
+            token = int(jnp.argmax(logits[0, -1]))
+            out.append(token)
+            if len(out) == max_new_tokens or (stop_at_eos and token == self.cfg.eos_token_id):
+                return out
+            step_ids = np.array([token], np.int64)
+            logits, _, state = _step(self.params, self.cfg, self._batch(step_ids, pos, 1, context), state, True)
+            if self.hasher:
+                context = self.hasher.next_context(context, step_ids)
+            pos += 1
+
+
+def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
+    """Load a checkpoint directory: HF bf16 (release or CausalLM layout), an HF quantized checkpoint
+    (compressed-tensors, AutoRound, AWQ, block-FP8: converted in memory), or a directory written by
+    `flashnext-convert`. None -> the embedded demo model. Quantized weights stay quantized."""
+    from convert import ConvertError, read_checkpoint
+
+    path = Path(path) if path is not None else DEMO_MODEL
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    jdtype = _DTYPES[dtype]
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    t0 = time.perf_counter()
+    if (path / "config.json").exists():  # config errors name the field before any tensor is read
+        from_hf_config(json.loads((path / "config.json").read_text()))
+    try:
+        hf, stream, table, table_scale = read_checkpoint(str(path))
+        cfg = from_hf_config(hf)
+        tensors = dict(stream)
+    except ConvertError as e:
+        raise CheckpointError(str(e)) from None
+    buffers = {n: tensors.pop(n) for n in [n for n in tensors if n.endswith(PLE_BUFFERS)]}
+    has_mtp = check_tensors(cfg, {n: torch_shape(v) for n, v in tensors.items()})
+    if cfg.ple_layers:
+        _check_table(cfg, table, buffers)
+    params = build_params(cfg, tensors, jdtype)
+    log.info("loaded %s (%d tensors%s) in %.1fs", path, len(tensors), ", MTP" if has_mtp else "",
+             time.perf_counter() - t0)
+    return Model(cfg, params, table, jdtype, path, table_scale)
+
+
+def torch_shape(value) -> tuple:
+    """Shape in checkpoint (torch) orientation: quantized weights are stored transposed, [..., in, out]."""
+    shape = tuple(value.shape)
+    return shape if isinstance(value, np.ndarray) else shape[:-2] + (shape[-1], shape[-2])
+
+
+def _check_table(cfg: ModelConfig, table, buffers: dict) -> None:
+    hasher = NgramHasher(cfg)
+    if table is None:
+        raise CheckpointError("missing tensors: the PLE n-gram table (ple.ple_embedding.ngram_embedding.*)")
+    if tuple(table.shape) != (hasher.padded_rows, cfg.ngram_row_width):
+        raise CheckpointError(f"n-gram table is {list(table.shape)}, expected [{hasher.padded_rows}, "
+                              f"{cfg.ngram_row_width}]")
+    recomputed = {"layer_multipliers": hasher.multipliers, "ngram_heads_vocab_sizes": hasher.sizes,
+                  "ngram_heads_offsets": hasher.offsets}
+    for name, value in buffers.items():
+        if not np.array_equal(np.asarray(value, np.int64), recomputed[name.rsplit(".", 1)[-1]]):
+            raise CheckpointError(f"{name} in the checkpoint differs from the value recomputed from the config")

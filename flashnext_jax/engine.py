@@ -1,0 +1,372 @@
+"""The engine loop: schedule -> tickets -> padded batch (row->slot map lives only in this step) -> jitted pure
+step `(params, store, batch) -> (store, outputs)` with the store donated -> (D steps later) sample + commit via
+the ticket. See docs/engine-design.md for the model protocol and the invariants each test proves.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import random
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import sampling
+from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
+from .state_store import StaleWrite, StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
+from .tickets import RowTicket, StepTicket
+
+
+# ------------------------------------------------------------------------------------------- the model protocol
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slot", "gen", "tokens", "n_valid", "start", "page_table", "host"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's padded inputs. Row b is meaningful only inside this step; slot -1 marks a padding row."""
+
+    slot: jax.Array  # [B] int32, -1 = padding
+    gen: jax.Array  # [B] int32 generation the row was scheduled with (stale -> treated as padding)
+    tokens: jax.Array  # [B, T] int32, right-padded
+    n_valid: jax.Array  # [B] int32 real tokens in the row
+    start: jax.Array  # [B] int32 absolute position of tokens[:, 0] (= tokens already in the slot's state)
+    page_table: jax.Array  # [B, MP] int32 page ids of the row's slot, -1 = unmapped
+    host: dict  # model-defined host-computed inputs from `host_prepare` (e.g. PLE n-gram rows [B, T, E])
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRow:
+    """What the host hook sees of one row: a suffix of the request's tokens before `start`, and the row tokens."""
+
+    history: tuple[int, ...]
+    start: int
+    tokens: tuple[int, ...]
+
+
+class ModelRunner(Protocol):
+    vocab_size: int
+    eos_token_id: int
+    max_model_len: int
+    k: int  # MTP draft tokens the model can produce per position (0 = no MTP head)
+    params: Any
+
+    def store_spec(self) -> StoreSpec: ...
+
+    def host_prepare(self, rows: Sequence[HostRow | None], T: int) -> dict[str, np.ndarray]: ...
+
+    def step(self, params, store: StateStore, batch: Batch) -> tuple[StateStore, dict[str, jax.Array]]:
+        """Pure. Reads each live row's committed column, writes K1 checkpoint columns (column c = state after row
+        token base + c, base = max(n_valid - K1, 0)), writes per-token page entries at start..start+n_valid-1,
+        returns {"logits": [B, K1, V] f32 at those tail tokens, "draft_logits": [B, K1, k, V]}."""
+        ...
+
+
+_JIT: dict[int, tuple[Any, Callable]] = {}
+
+
+def jitted_step(runner: ModelRunner) -> Callable:
+    hit = _JIT.get(id(runner))
+    if hit is None or hit[0] is not runner:
+        hit = (runner, jax.jit(runner.step, donate_argnums=(1,)))
+        _JIT[id(runner)] = hit
+    return hit[1]
+
+
+# --------------------------------------------------------------------------------------------------- the engine
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = False
+    block_size: int = 16  # prefix-snapshot granularity
+    page_size: int = 16  # KV page size
+    num_pages: int | None = None  # default: enough for max_num_seqs full sequences
+    num_slots: int | None = None  # default: max_num_seqs
+    num_snapshots: int = 64
+    pipeline_delay: int = 0  # D: a step's sample+commit runs D engine steps after it was launched
+    permute_rows: int | None = None  # seed: shuffle batch rows every step (tests)
+    debug: bool = True  # shadow ownership ledger checks every write; stale writes raise
+    min_batch_bucket: int = 1  # shape buckets: B and T are powers of two >= these (fewer compilations)
+    min_token_bucket: int = 1
+    min_pool_capacity: tuple = (1, 1, 1)  # device pools (slots, pages, snapshots) rounded up to >= these
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
+                 draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
+                 row_order: Callable[[int, list[str]], list[int]] | None = None):
+        if not 0 <= cfg.pipeline_delay <= 3:
+            raise ValueError("pipeline_delay must be in 0..3")
+        if cfg.num_speculative_tokens > runner.k:
+            raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
+        self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order
+        mml = cfg.max_model_len or runner.max_model_len
+        if mml > runner.max_model_len:
+            raise ValueError(f"max_model_len {mml} exceeds the model's {runner.max_model_len}")
+        slots = cfg.num_slots or cfg.max_num_seqs
+        mp = -(-mml // cfg.page_size)
+        pages = cfg.num_pages or mp * slots + 2 * mp
+        self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
+        self.K1 = runner.k + 1
+        self.max_pages_per_row = _bucket(mp)
+        self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
+                                                                 self.K1), debug=cfg.debug,
+                                  min_capacity=cfg.min_pool_capacity)
+        self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
+                                               cfg.num_speculative_tokens, cfg.enable_prefix_caching,
+                                               cfg.block_size), self.ledger)
+        self._step = jitted_step(runner)
+        self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self.dead: BaseException | None = None
+        self._rng = random.Random(cfg.permute_rows) if cfg.permute_rows is not None else None
+        self._arrivals = 0
+        self.counters = collections.Counter()
+        self._bug_row_addressed_commit = False  # mutation-test knob: reproduces the incident's addressing bug
+        self._last_rows: list[tuple] = []
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
+                    stop_checker=None) -> Request:
+        self._alive()
+        if request_id in self.requests and not self.requests[request_id].finished:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        params = params or sampling.SamplingParams()
+        prompt = [int(t) for t in prompt]
+        bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids {bad[:5]} outside vocab [0, {self.runner.vocab_size})")
+        req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
+        req.metrics["arrival_time"] = time.monotonic()
+        self._arrivals += 1
+        self.sched.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str):
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.sched.finish(req, "abort")
+            self.ledger.flush()
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_work() or any(i is not None for i in self.pending)
+
+    # ---- one engine step
+    def step(self) -> list[Request]:
+        self._alive()
+        try:
+            return self._step_inner()
+        except BaseException as e:  # engine fault: fail every in-flight request visibly
+            self._fail_all(e)
+            raise
+
+    def _step_inner(self) -> list[Request]:
+        plans = self.sched.schedule()
+        updated: list[Request] = []
+        if plans:
+            ticket = self._make_ticket(plans)
+            batch = self._build_batch(ticket)
+            if self.cfg.debug:
+                self._check_writes(ticket)
+            self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
+            store, out = self._step(self.runner.params, self.ledger.store, batch)
+            self.ledger.store = store
+            self.pending.append((ticket, out))
+            self.counters["steps"] += 1
+        elif self.pending:
+            self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
+            self.counters["bubbles"] += 1
+        elif self.sched.waiting and not self.sched.running:
+            raise RuntimeError(f"cannot admit request {self.sched.waiting[0].request_id!r}: not enough free "
+                               f"pages/slots even with an idle engine (pool too small for its prompt?)")
+        self.step_id += 1
+        while len(self.pending) > self.cfg.pipeline_delay:
+            item = self.pending.popleft()
+            if item is not None:
+                updated += self._commit(*item)
+        while self.pending and all(i is None for i in self.pending):
+            self.pending.clear()
+        self.ledger.flush()
+        return updated
+
+    def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:
+        order = list(range(len(plans)))
+        if self._rng is not None:
+            self._rng.shuffle(order)
+        if self.row_order is not None:
+            order = list(self.row_order(self.step_id, [p.request.request_id for p in plans]))
+            assert sorted(order) == list(range(len(plans)))
+        rows = []
+        for row, i in enumerate(order):
+            p = plans[i]
+            req = p.request
+            self.ledger.begin_inflight(req.slot)
+            req.inflight = True
+            req.metrics["num_steps"] += 1
+            rows.append(RowTicket(req.request_id, req.slot, row, p.start, p.tokens, p.num_drafts, p.samples,
+                                  max(len(p.tokens) - self.K1, 0), tuple(req.pages), p.capture))
+        B = _bucket(max(len(rows), self.cfg.min_batch_bucket))
+        T = _bucket(max(max(r.n for r in rows), self.K1, self.cfg.min_token_bucket))
+        return StepTicket(self.step_id, tuple(rows), B, T)
+
+    def _build_batch(self, t: StepTicket) -> Batch:
+        B, T, MP = t.batch_size, t.num_tokens, self.max_pages_per_row
+        slot = np.full(B, -1, np.int32)
+        gen = np.zeros(B, np.int32)
+        tokens = np.zeros((B, T), np.int32)
+        n_valid = np.zeros(B, np.int32)
+        start = np.zeros(B, np.int32)
+        pt = np.full((B, MP), -1, np.int32)
+        host_rows: list[HostRow | None] = [None] * B
+        for r in t.rows:
+            req = self.requests[r.request_id]
+            slot[r.row], gen[r.row] = r.slot.slot, r.slot.gen
+            tokens[r.row, : r.n] = r.tokens
+            n_valid[r.row], start[r.row] = r.n, r.start
+            pt[r.row, : len(r.pages)] = r.pages
+            host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens)
+        self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
+        host = {k: jnp.asarray(v) for k, v in self.runner.host_prepare(host_rows, T).items()}
+        return Batch(jnp.asarray(slot), jnp.asarray(gen), jnp.asarray(tokens), jnp.asarray(n_valid),
+                     jnp.asarray(start), jnp.asarray(pt), host)
+
+    def _check_writes(self, t: StepTicket):
+        """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""
+        seen_slots, seen_pages = set(), set()
+        ps = self.ledger.dims.page_size
+        for r in t.rows:
+            self.ledger.check(r.slot, owner=r.request_id)
+            assert r.slot.slot not in seen_slots, "two rows share a slot"
+            seen_slots.add(r.slot.slot)
+            for blk in range(r.start // ps, (r.start + r.n - 1) // ps + 1):
+                p = r.pages[blk]
+                self.ledger.check_page_writable(p, r.request_id)
+                assert p not in seen_pages, "two rows write one page"
+                seen_pages.add(p)
+
+    # ---- deferred work: consumes only the ticket and its own step's outputs
+    def _commit(self, ticket: StepTicket, out) -> list[Request]:
+        logits = np.asarray(out["logits"])
+        dlogits = np.asarray(out["draft_logits"])
+        updated = []
+        for r in ticket.rows:
+            req = self.requests[r.request_id]
+            self.ledger.end_inflight(r.slot)
+            req.inflight = False
+            if req.finished:  # aborted while this step was in flight
+                self.sched.retire(req)
+                updated.append(req)
+                continue
+            ref = r.slot
+            if self._bug_row_addressed_commit:  # the incident: address state by the row of the *latest* batch
+                from .state_store import SlotRef
+                s, g = self._last_rows[r.row] if r.row < len(self._last_rows) else (-1, 0)
+                ref = SlotRef(s, g) if s >= 0 else r.slot
+                self.ledger.debug = False
+            self._commit_row(req, r, ref, logits[r.row], dlogits[r.row])
+            updated.append(req)
+        self.counters["commits"] += 1
+        return updated
+
+    def _commit_row(self, req: Request, r: RowTicket, ref, logits: np.ndarray, dlogits: np.ndarray):
+        new_tokens: list[int] = []
+        if not r.samples:
+            accepted_inputs = r.n
+        else:
+            nd = r.num_drafts
+            first = r.n - 1 - nd  # offset of the last known token
+            cols = [first + i - r.base for i in range(nd + 1)]
+            m, new_tokens = sampling.verify(logits[cols], list(r.tokens[first + 1:]), req.draft_probs[:nd],
+                                            req.params, req.tokens, len(req.output), req.request_id)
+            accepted_inputs = first + 1 + m
+            req.metrics["num_drafts"] += nd
+            req.metrics["num_accepted"] += m
+            self.counters["drafts"] += nd
+            self.counters["accepted"] += m
+        col = accepted_inputs - 1 - r.base
+        self.ledger.set_cursor(ref, col)
+        seq = req.tokens + new_tokens
+        if r.capture is not None and r.capture.offset < accepted_inputs:
+            self.ledger.publish(ref, r.capture.offset - r.base, seq[: r.capture.length], r.pages, req.request_id)
+        req.num_computed = r.start + accepted_inputs
+        if not new_tokens:  # a prefill chunk: drafts kept across a preemption stay pending
+            return
+        req.drafts, req.draft_probs = [], []
+        if "first_token_time" not in req.metrics:
+            req.metrics["first_token_time"] = time.monotonic()
+        for t in new_tokens:
+            req.output.append(t)
+            reason = self._stop_reason(req, t)
+            if reason:
+                self.sched.finish(req, reason)
+                req.metrics["finish_time"] = time.monotonic()
+                return
+        nd = min(self.cfg.num_speculative_tokens, dlogits.shape[1])
+        if nd:
+            drafts, probs = sampling.propose(dlogits[col, :nd], req.params, len(req.output), req.request_id)
+            if self.draft_hook is not None:
+                hooked = list(self.draft_hook(req, list(drafts)))[:nd]
+                probs = [p if h == d else None for h, d, p in zip(hooked, drafts, probs)]
+                drafts = hooked
+            req.drafts, req.draft_probs = list(drafts), list(probs)
+
+    def _stop_reason(self, req: Request, t: int) -> str | None:
+        p = req.params
+        if t == self.runner.eos_token_id and not p.ignore_eos:
+            return "stop"
+        if t in p.stop_token_ids:
+            return "stop"
+        if req.stop_checker is not None and req.stop_checker(req.output):
+            return "stop"
+        if len(req.output) >= p.max_tokens:
+            return "length"
+        if len(req.tokens) >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    # ---- failure
+    def _fail_all(self, e: BaseException):
+        self.dead = e
+        for req in self.requests.values():
+            if not req.finished:
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                req.error = f"{type(e).__name__}: {e}"
+        self.pending.clear()
+
+    def _alive(self):
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed earlier: {type(self.dead).__name__}: {self.dead}") from self.dead
+
+    # ---- introspection (tests, notebook)
+    def committed_state(self, request_id: str) -> dict[str, np.ndarray]:
+        """The committed per-slot leaves and page entries [0, num_computed) of a request, read via its slot."""
+        req = self.requests[request_id]
+        self.ledger.flush()
+        st = self.ledger.store
+        s = req.slot.slot
+        col = int(st.cursor[s])
+        out = {n: np.asarray(a[s, col]) for n, a in st.slot.items()}
+        ps = self.ledger.dims.page_size
+        for n, a in st.page.items():
+            a = np.asarray(a)
+            out[n] = np.array([a[req.pages[p // ps], p % ps] for p in range(req.num_computed)])
+        return out
+
+    def usage(self) -> dict:
+        return self.ledger.usage()

@@ -1,0 +1,134 @@
+"""Gated DeltaNet (linear_attention layers): causal conv + SiLU, then the gated delta rule with an fp32 state.
+
+Per token, with q and k L2-normalised and q scaled by Dk^-0.5 (state S [Hv, Dk, Dv]):
+    S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+Prefill uses the chunked (WY) form, decode the recurrent form; both are pure JAX here (the Pallas kernels live in
+`pallas_kernels/`). Padding tokens are made exact no-ops (g = 0, beta = 0), so a right-padded batch leaves each
+row's state as if only its valid tokens had been seen.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .layers import gated_rms_norm, linear
+
+CHUNK = 64
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """Sequential form. q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]; all fp32."""
+
+    def step(s, inputs):
+        qt, kt, vt, gt, bt = inputs
+        s = s * jnp.exp(gt)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, kt, precision="highest")
+        delta = (vt - kv_mem) * bt[..., None]
+        s = s + kt[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision="highest")
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked WY form, exact up to rounding. Same arguments as `delta_rule_recurrent`; T is padded internally."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // chunk
+
+    def to_chunks(a):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        a = a.reshape(b, n, chunk, h, *a.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 3, 2)
+
+    qc, kc, vc, gc, bc = (to_chunks(a) for a in (q, k, v, g, beta))
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    hp = "highest"
+
+    def step(s, inputs):
+        qi, ki, vi, gi, bi = inputs  # [B, H, C, ...]
+        cum = jnp.cumsum(gi, axis=-1)  # [B, H, C] log decay since the chunk start
+        decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # exp(G_i - G_j), i >= j
+        k_beta, v_beta = ki * bi[..., None], vi * bi[..., None]
+        # WY representation: with L the strictly lower part of (k_beta k^T) * decay, T = (I + L)^-1,
+        # u = T v_beta and w = T (k_beta exp(G)). solve_triangular ignores the diagonal (unit_diagonal).
+        system = jnp.einsum("bhik,bhjk->bhij", k_beta, ki, precision=hp) * decay
+        u = jax.scipy.linalg.solve_triangular(system, v_beta, lower=True, unit_diagonal=True)
+        w = jax.scipy.linalg.solve_triangular(system, k_beta * jnp.exp(cum)[..., None], lower=True,
+                                              unit_diagonal=True)
+        intra = jnp.einsum("bhik,bhjk->bhij", qi, ki, precision=hp) * decay
+        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=hp)
+        inter = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(cum)[..., None], s, precision=hp)
+        out = inter + jnp.einsum("bhij,bhjv->bhiv", intra, v_new, precision=hp)
+        last = cum[..., -1:]
+        k_decayed = ki * jnp.exp(last - cum)[..., None]
+        s = s * jnp.exp(last)[..., None] + jnp.einsum("bhck,bhcv->bhkv", k_decayed, v_new, precision=hp)
+        return s, out
+
+    state, out = jax.lax.scan(step, state, (qc, kc, vc, gc, bc))  # out [N, B, H, C, Dv]
+    out = jnp.moveaxis(out, 0, 1)  # [B, N, H, C, Dv]
+    out = jnp.moveaxis(out, 3, 2).reshape(b, n * chunk, h, dv)
+    return out[:, :t], state
+
+
+def causal_conv(x_full: jax.Array, weight: jax.Array, t: int, dilation: int = 1) -> jax.Array:
+    """Depthwise causal conv over x_full [B, P + T, C] (P = history), weight [C, K]: out[t] = sum_j w[:, j] x[t+j*d]."""
+    kernel = weight.shape[-1]
+    out = 0.0
+    for j in range(kernel):
+        out = out + x_full[:, j * dilation : j * dilation + t, :] * weight[:, j]
+    return out
+
+
+def last_valid(x_full: jax.Array, n_valid: jax.Array, keep: int) -> jax.Array:
+    """The `keep` rows ending at each row's last valid token: x_full[b, n_valid[b] : n_valid[b] + keep]."""
+    idx = n_valid[:, None] + jnp.arange(keep)[None, :]
+    return jnp.take_along_axis(x_full, idx[..., None], axis=1)
+
+
+def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_valid):
+    """One GDN layer. u [B, T, H]; conv_state [B, K-1, C]; rec_state [B, Hv, Dk, Dv] fp32; valid [B, T] bool.
+
+    Returns (y [B, T, H], new conv_state, new rec_state).
+    """
+    bsz, t, _ = u.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kernel = cfg.linear_conv_kernel_dim
+
+    mixed = linear(u, p["in_proj_qkv"])
+    x_full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
+    new_conv = last_valid(x_full, n_valid, kernel - 1)
+    mixed = jax.nn.silu(causal_conv(x_full, p["conv1d"].astype(mixed.dtype), t))
+
+    q = mixed[..., : hk * dk].reshape(bsz, t, hk, dk)
+    k = mixed[..., hk * dk : 2 * hk * dk].reshape(bsz, t, hk, dk)
+    v = mixed[..., 2 * hk * dk :].reshape(bsz, t, hv, dv)
+    z = linear(u, p["in_proj_z"]).reshape(bsz, t, hv, dv)
+    beta = jax.nn.sigmoid(linear(u, p["in_proj_b"])).astype(jnp.float32)
+    a = linear(u, p["in_proj_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    g = jnp.where(valid[..., None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+
+    rep = hv // hk  # key head i serves value heads i*rep .. i*rep+rep-1
+    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)
+    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), rep, axis=2)
+    v = v.astype(jnp.float32)
+    rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
+    core, new_rec = rule(q, k, v, g, beta, rec_state)
+
+    core = core.astype(u.dtype)
+    out = gated_rms_norm(core, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+    return linear(out.reshape(bsz, t, hv * dv), p["out_proj"]), new_conv, new_rec

@@ -1,0 +1,79 @@
+"""Small building blocks shared by every layer kind: norms, RoPE, linear projections.
+
+All norms except the GDN gated norm are "zero-centred": `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in fp32
+and cast back to the input dtype, exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm over the last axis."""
+    xf = x.astype(jnp.float32)
+    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (out * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def grouped_rms_norm(x: jax.Array, weight: jax.Array, group: int, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm of each `group`-wide slice of the last axis, then the full-width weight."""
+    xf = x.astype(jnp.float32)
+    g = xf.reshape(*x.shape[:-1], -1, group)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return (g.reshape(x.shape) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, activation: str) -> jax.Array:
+    """GDN output norm: plain (not zero-centred) weight, then times act(gate); the only such norm in the model."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
+    out = weight * normed
+    act = jax.nn.sigmoid if activation == "sigmoid" else jax.nn.silu
+    return (out.astype(jnp.float32) * act(gate.astype(jnp.float32))).astype(dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> jax.Array:
+    """inv_freq in fp32 (casting it to bf16 moves logits by ~1e-2, so it is never stored in the param dtype)."""
+    import numpy as np
+
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    return jnp.asarray(1.0 / (np.float32(theta) ** exponents), dtype=jnp.float32)
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., rotary_dim] for integer positions (NeoX layout: the half-angles repeated twice).
+
+    Text-only input gives all three MRoPE axes the same position, so interleaved MRoPE is plain partial RoPE.
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(rotary_dim, theta)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first `rotary_dim` features of x (rotate_half convention); cos/sin broadcast against x."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """y = x @ W for W stored [in, out]: a plain array, or a quantized weight run by the kernel switch.
+
+    Accumulates in fp32; fp32 params use full-precision dots (no TF32 on GPU) so fp32 parity tests mean something.
+    """
+    if isinstance(w, jax.Array):
+        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        y = jnp.dot(x.astype(w.dtype), w, precision=precision, preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    from pallas_kernels.quant_matmul import quant_matmul  # quantized weights only
+
+    lead = x.shape[:-1]
+    y = quant_matmul(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*lead, y.shape[-1]).astype(x.dtype)

@@ -1,0 +1,228 @@
+"""Offline, vLLM-style API over the engine, plus the async streaming interface the server uses.
+
+    llm = LLM("toy" | checkpoint_dir, max_num_seqs=4, enable_prefix_caching=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    outs = llm.generate(["w3 w4 w5", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=16))
+    async for out in llm.stream("w3 w4", SamplingParams(max_tokens=8)): print(out.delta_text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from .engine import Engine, EngineConfig, ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Request
+from .tokenizer import IncrementalDetokenizer, Tokenizer, toy_tokenizer
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: dict
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Tokenizer | None]:
+    from .toy_model import ToyConfig, ToyRunner
+
+    if isinstance(model, ToyConfig) or model == "toy":
+        cfg = model if isinstance(model, ToyConfig) else ToyConfig()
+        return ToyRunner(cfg, max(k, 1)), tokenizer or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
+    if hasattr(model, "store_spec") and hasattr(model, "step"):  # a ModelRunner instance
+        return model, tokenizer
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{model!r} is neither 'toy' nor a checkpoint directory")
+    tok = tokenizer or (Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None)
+    if (path / "toy_config.json").is_file():  # a toy checkpoint directory (tests, server smoke tests)
+        cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
+        return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
+    from . import api
+
+    loaded = api.load(path, dtype=dtype)
+    runner = loaded.runner(num_speculative_tokens=k) if hasattr(loaded, "runner") else loaded
+    if not (hasattr(runner, "store_spec") and hasattr(runner, "step") and hasattr(runner, "host_prepare")):
+        raise NotImplementedError(f"{type(loaded).__name__} does not implement the engine's ModelRunner protocol "
+                                  "yet (store_spec / host_prepare / step; see docs/engine-design.md)")
+    return runner, tok
+
+
+class LLM:
+    def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
+                 page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
+                 tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int = 0,
+                 **engine_kwargs):
+        k = 0
+        if speculative_config:
+            method = speculative_config.get("method", "mtp")
+            if method != "mtp":
+                raise ValueError(f"speculative_config.method={method!r}: only 'mtp' is supported")
+            k = int(speculative_config.get("num_speculative_tokens", 1))
+            if k < 1:
+                raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
+        self.runner, self.tokenizer = _load(model, dtype, k, tokenizer)
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_model_len, num_speculative_tokens=k,
+                           enable_prefix_caching=enable_prefix_caching, block_size=block_size,
+                           page_size=page_size or block_size, num_snapshots=num_snapshots,
+                           pipeline_delay=pipeline_delay, **engine_kwargs)
+        self.engine = Engine(self.runner, cfg)
+        self._ids = itertools.count()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._emitted: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    # ---- requests
+    def _add(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        rid = request_id or f"req-{next(self._ids)}"
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (none found in the checkpoint directory)")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        checker = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer)
+            self._detok[rid] = detok
+            if params.stop:
+                checker = self._stop_checker(detok, params.stop)
+        self._prompts[rid] = text
+        self._emitted[rid] = (0, 0)
+        with self._lock:
+            return self.engine.add_request(rid, ids, params, stop_checker=checker)
+
+    @staticmethod
+    def _stop_checker(detok: IncrementalDetokenizer, stops: Sequence[str]):
+        longest = max(len(s) for s in stops)
+
+        def check(output_ids):
+            before = len(detok.text)
+            detok.update(output_ids)
+            window = detok.text[max(0, before - longest + 1):]
+            return any(s in window for s in stops)
+
+        return check
+
+    def _output(self, req: Request) -> RequestOutput:
+        rid = req.request_id
+        text = ""
+        detok = self._detok.get(rid)
+        if detok is not None:
+            if req.params.stop:
+                text = detok.text
+                for s in req.params.stop:
+                    i = text.find(s)
+                    if i >= 0:
+                        text = text[: i + (len(s) if req.params.include_stop_str_in_output else 0)]
+            else:
+                detok.update(req.output)
+                text = detok.text
+                if req.finished:  # flush any held-back partial character
+                    text = self.tokenizer.decode(req.output)
+        n_tok, n_txt = self._emitted[rid]
+        self._emitted[rid] = (len(req.output), len(text))
+        m = dict(req.metrics)
+        m.update(num_prompt_tokens=len(req.prompt), num_generated_tokens=len(req.output),
+                 acceptance_rate=(m["num_accepted"] / m["num_drafts"]) if m["num_drafts"] else None,
+                 mean_accepted_tokens_per_step=(len(req.output) / max(1, m["num_steps"])))
+        if "first_token_time" in m:
+            m["time_to_first_token"] = m["first_token_time"] - m["arrival_time"]
+        return RequestOutput(rid, self._prompts.get(rid), list(req.prompt), text, list(req.output), req.finished,
+                             req.finish_reason, m, text[n_txt:], list(req.output[n_tok:]), req.error)
+
+    # ---- offline
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int))
+        if single:
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        while any(not r.finished for r in reqs):
+            with self._lock:
+                self.engine.step()
+        return [self._output(r) for r in reqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, **template_kwargs):
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **template_kwargs)
+                   for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    # ---- async streaming (server)
+    async def stream(self, prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput (cumulative text/token_ids plus deltas) each time the request gets tokens.
+        A consumer that stops iterating aborts the request."""
+        req = self._add(prompt, params or SamplingParams(), request_id)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = q
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not req.finished:
+                with self._lock:
+                    self.engine.abort(req.request_id)
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+
+        def step():
+            with self._lock:
+                return self.engine.step()
+
+        while self._streams and self.engine.has_unfinished():
+            try:
+                updated = await loop.run_in_executor(None, step)
+            except BaseException as e:  # engine fault: every stream sees it
+                for rid, q in list(self._streams.items()):
+                    req = self.engine.requests.get(rid)
+                    q.put_nowait(self._output(req) if req is not None and req.finished else e)
+                return
+            for req in updated:
+                q = self._streams.get(req.request_id)
+                if q is not None and (req.finished or len(req.output) > self._emitted[req.request_id][0]):
+                    q.put_nowait(self._output(req))
+            await asyncio.sleep(0)
+
+    def usage(self) -> dict:
+        return self.engine.usage()

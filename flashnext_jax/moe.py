@@ -1,0 +1,62 @@
+"""Mixture of experts (every layer): fp32 softmax router, top-k, renormalise, plus a sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .layers import linear
+
+
+def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x.dtype). Ties: lowest expert index first."""
+    logits = linear(x, p["gate"])
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    return top_i.astype(jnp.int32), top_p.astype(x.dtype)
+
+
+def routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """sum_j w[m,j] * (silu(x W_gate_e) * (x W_up_e)) W_down_e over the selected experts, by gathering their weights.
+
+    Plain arrays only: w_gate_up [E, H, 2I] (gate columns first), w_down [E, I, H].
+    """
+    inter = w_down.shape[-2]
+    gu_w = w_gate_up[expert_ids]  # [M, k, H, 2I]
+    precision = jax.lax.Precision.HIGHEST if gu_w.dtype == jnp.float32 else None
+    gu = jnp.einsum("mh,mkhn->mkn", x, gu_w, precision=precision, preferred_element_type=jnp.float32)
+    gu = gu.astype(x.dtype)
+    act = (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]).astype(x.dtype)
+    down = jnp.einsum("mki,mkih->mkh", act, w_down[expert_ids], precision=precision,
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+    weighted = (down * expert_weights[..., None]).astype(x.dtype)
+    # Add the k contributions in ascending expert id, one at a time, like the reference's per-expert index_add.
+    order = jnp.argsort(expert_ids, axis=1)
+    weighted = jnp.take_along_axis(weighted, order[..., None], axis=1)
+    out = jnp.zeros_like(x)
+    for j in range(weighted.shape[1]):
+        out = out + weighted[:, j]
+    return out
+
+
+def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down):
+    if isinstance(w_gate_up, jax.Array):
+        return routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down)
+    from pallas_kernels.moe_matmul import routed_experts as kernel  # quantized experts
+
+    return kernel(x, expert_ids, expert_weights, w_gate_up, w_down)
+
+
+def moe_forward(p: dict, cfg: ModelConfig, u: jax.Array) -> jax.Array:
+    """u [..., H] -> routed + gated shared expert output [..., H]."""
+    shape = u.shape
+    x = u.reshape(-1, shape[-1])
+    ids, weights = route(p, cfg, x)
+    routed = routed_experts(x, ids, weights, p["experts"]["gate_up_proj"], p["experts"]["down_proj"])
+    se = p["shared_expert"]
+    shared = linear(jax.nn.silu(linear(x, se["gate_proj"])) * linear(x, se["up_proj"]), se["down_proj"])
+    shared = jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
+    return (routed + shared).reshape(shape)

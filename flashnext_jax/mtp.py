@@ -1,0 +1,55 @@
+"""MTP head: one extra full-attention (QSA) layer that drafts the token after next.
+
+Follows SGLang/vLLM (transformers has no MTP): at position p it combines the main model's pre-final-mixer hyper
+state h_p with the embedding of token p+1, runs one QSA decoder layer (own KV/index cache, RoPE position p, no PLE)
+and reads logits through its own final mixer and the shared lm_head. Chained drafts feed the layer's output
+(pre-mixer) back as h.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .hyper import hyper_read, hyper_write
+from .layers import linear, rms_norm
+from .model import embed, final_logits
+from .moe import moe_forward
+from .qsa import qsa_forward
+
+
+def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
+    ratio = cfg.indexer_compress_ratio or 1
+    max_len = -(-max_len // ratio) * ratio
+    kv = jnp.zeros((batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    return kv, kv, jnp.zeros((batch, max_len, cfg.indexer_head_dim or 1), dtype)
+
+
+def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_valid, cache):
+    """hyper [B, T, S*H] at positions start..; next_tokens [B, T] = the token after each position.
+
+    Returns (draft logits [B, T, V] fp32, layer output [B, T, S*H] for chaining, new cache).
+    """
+    mp = params["mtp"]
+    s, h = cfg.hc_count, cfg.hidden_size
+    bsz, t, _ = hyper.shape
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
+
+    h_normed = rms_norm(hyper, mp["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # ONE norm over all S*H features
+    e_normed = rms_norm(embed(params, next_tokens).astype(hyper.dtype), mp["pre_fc_norm_embedding"],
+                        cfg.rms_norm_eps)
+    x = linear(h_normed.reshape(bsz, t, s, h), mp["fc_hidden"]) + linear(e_normed, mp["fc_embedding"])[:, :, None]
+    x = x.reshape(bsz, t, s * h)
+
+    lp = mp["layers"][0]
+    u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
+    y, cache = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache)
+    x = hyper_write(x, y, gains)
+    u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
+    x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
+    return final_logits(params, cfg, x, mixer=mp["hyper_connection_mixer"]), x, cache
+
+
+__all__ = ["mtp_forward", "init_mtp_cache"]

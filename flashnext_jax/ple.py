@@ -1,0 +1,131 @@
+"""PLE ("Engram"): hashed n-gram embeddings injected into every residual stream at one layer.
+
+Two halves, deliberately split:
+* host side (`NgramHasher`, numpy int64): n-gram ids from each request's token history with the EOS segment rule,
+  and the row gather from the table, which stays a memory-mapped host array (51 GB in the release) and never
+  enters the jitted params;
+* device side (`ple_forward`): the gathered rows [B, T, E] arrive as a step input and are projected, gated by the
+  normalised streams and passed through a dilated causal conv whose state is the last 9 normalised gate vectors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .gdn import causal_conv, last_valid
+from .layers import grouped_rms_norm, linear
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + _GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd hash multipliers, bounded so that multiplier * (vocab - 1) never overflows int64."""
+    half_bound = max(1, (((1 << 63) - 1) // max(vocab_size, 1)) // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_vocab_sizes(base: int, num_heads: int, ple_index: int = 0) -> list[int]:
+    """Distinct primes >= base, one per head (head h of PLE layer i takes the (i*heads + h + 1)-th prime)."""
+    primes, p = [], base - 1
+    while len(primes) < (ple_index + 1) * num_heads:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        primes.append(p)
+    return primes[ple_index * num_heads :]
+
+
+class NgramHasher:
+    """Host-side n-gram ids. `ids(context, tokens)` -> [T, heads] int64 row ids into the concatenated table."""
+
+    def __init__(self, cfg: ModelConfig, ple_index: int = 0):
+        self.eos = int(cfg.eos_token_id)
+        self.ngram_size = cfg.ngram_size
+        self.heads_per_ngram = cfg.heads_per_ngram
+        self.multipliers = np.array(layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed), np.int64)
+        self.sizes = np.array(head_vocab_sizes(cfg.ngram_vocab_size_base, cfg.ngram_heads, ple_index), np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.total_rows = int(self.sizes.sum())
+        div = cfg.make_ngram_vocab_size_divisible_by
+        self.padded_rows = -(-self.total_rows // div) * div
+
+    @property
+    def context_len(self) -> int:
+        return self.ngram_size - 1
+
+    def initial_context(self) -> np.ndarray:
+        return np.full(self.context_len, self.eos, np.int64)
+
+    def ids(self, context: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Row ids for `tokens` given the previous `context_len` ids of the same request (EOS-filled at start)."""
+        hist = np.concatenate([np.asarray(context, np.int64), np.asarray(tokens, np.int64)])
+        n = hist.shape[0]
+        pos = np.arange(n)
+        eos_pos = np.where(hist == self.eos, pos, -1)
+        seg_start = np.concatenate([[-1], np.maximum.accumulate(eos_pos)[:-1]]) + 1  # after the last EOS before p
+        shifted = []
+        for j in range(self.ngram_size):
+            src = pos - j
+            ok = (pos - seg_start >= j) & (src >= 0)
+            shifted.append(np.where(ok, hist[np.maximum(src, 0)], self.eos))
+        heads = []
+        mix = shifted[0] * self.multipliers[0]
+        for order in range(2, self.ngram_size + 1):
+            mix = np.bitwise_xor(mix, shifted[order - 1] * self.multipliers[order - 1])
+            lo = (order - 2) * self.heads_per_ngram
+            sizes = self.sizes[lo : lo + self.heads_per_ngram]
+            heads.append(np.remainder(mix[:, None], sizes[None, :]) + self.offsets[lo : lo + self.heads_per_ngram])
+        return np.concatenate(heads, axis=1)[self.context_len :]
+
+    def next_context(self, context: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        hist = np.concatenate([np.asarray(context, np.int64), np.asarray(tokens, np.int64)])
+        return hist[-self.context_len :]
+
+
+def gather_rows(table, ids: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """Host gather [..., heads] ids -> [..., heads * width] rows (the table may be an np.memmap)."""
+    flat = np.asarray(table[ids.reshape(-1)])
+    if scale is not None:
+        flat = flat.astype(np.float32) * np.float32(scale)
+    return flat.reshape(*ids.shape[:-1], -1)
+
+
+def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid):
+    """X [B, T, S*H] -> (PLE(X) [B, T, S*H], new conv state [B, 9, S*H]). rows [B, T, E] gathered on the host."""
+    s, h = cfg.hc_count, cfg.hidden_size
+    bsz, t, _ = x.shape
+    e = rows.astype(x.dtype)
+    key = grouped_rms_norm(linear(e, p["key_proj"]), p["norm_key"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
+    value = linear(e, p["value_proj"])
+    query = grouped_rms_norm(x, p["norm_query"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
+    gate = jnp.sum(key * query, axis=-1, keepdims=True) / math.sqrt(h)
+    gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), 1e-6)) * jnp.sign(gate)
+    gated = (jax.nn.sigmoid(gate) * value[:, :, None, :]).reshape(bsz, t, s * h)
+    gated_normed = grouped_rms_norm(gated, p["norm_conv"], h, cfg.rms_norm_eps)
+    gated = jnp.where(valid[..., None], gated, 0)
+    gated_normed = jnp.where(valid[..., None], gated_normed, 0)
+
+    x_full = jnp.concatenate([conv_state.astype(x.dtype), gated_normed], axis=1)
+    new_state = last_valid(x_full, n_valid, cfg.ple_conv_state_len)
+    conv = causal_conv(x_full, p["conv1d"].astype(x.dtype), t, dilation=cfg.ple_conv_dilation)
+    return gated + jax.nn.silu(conv), new_state

@@ -1,0 +1,115 @@
+"""QSA layers: gated GQA attention whose keys are restricted per query by a block indexer.
+
+Selection, exactly as the reference: the visible tokens of a query at position p (0..p) are grouped in consecutive
+blocks of `ratio` from the sequence start; each COMPLETE block gets a key kbar = RoPE_{first pos}(k_norm(mean of its
+raw index keys)); a block scores sum_h relu(<qI_h, kbar>) / sqrt(dI); the top `budget / ratio` blocks plus the
+incomplete tail block are attended. Consequences: at most budget + ratio - 1 visible tokens means dense attention;
+when p + 1 is a multiple of `ratio` the query's own token sits in a complete block and is attended only if that
+block is selected. Ties between equal scores go to the lowest block index (`lax.top_k`).
+
+The caches are dense per row here: K/V [B, L, kv_heads, head_dim] and raw index keys [B, L, dI], written at each
+token's position. Keys past a row's last written position are masked and zeroed, so stale or poisoned cache
+contents never reach an output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .layers import apply_rope, linear, rms_norm, rope_cos_sin
+
+
+def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """cache[b, positions[b, t]] = new[b, t] for valid tokens; invalid ones are dropped (never written)."""
+    length = cache.shape[1]
+    pos = jnp.where(valid, positions, length)  # out of range -> dropped
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, pos].set(new.astype(cache.dtype), mode="drop")
+
+
+def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
+    """Allowed-key mask [B, T, L] from the indexer (causal AND selected blocks OR tail).
+
+    q_index [B, T, nI, dI] (normed and roped); index_cache [B, L, dI] raw keys; positions [B, T] query positions.
+    """
+    bsz, length, d = index_cache.shape
+    ratio = cfg.indexer_compress_ratio
+    nblocks = length // ratio
+    pooled = jnp.mean(index_cache[:, : nblocks * ratio].reshape(bsz, nblocks, ratio, d).astype(jnp.float32), axis=2)
+    pooled = rms_norm(pooled.astype(index_cache.dtype), p["k_layernorm"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(jnp.arange(nblocks) * ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
+    block_keys = apply_rope(pooled, cos, sin)  # [B, nblocks, dI]
+
+    scores = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32), block_keys.astype(jnp.float32),
+                        precision="highest")
+    scores = jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(d))  # [B, T, nblocks]
+    complete = (jnp.arange(nblocks)[None, None, :] + 1) * ratio <= positions[..., None] + 1
+    k = min(cfg.block_topk, nblocks)
+    top_val, top_idx = jax.lax.top_k(jnp.where(complete, scores, -jnp.inf), k)
+    chosen = jnp.isfinite(top_val)
+    block_on = jnp.zeros((bsz, positions.shape[1], nblocks + 1), bool)
+    block_on = block_on.at[
+        jnp.arange(bsz)[:, None, None], jnp.arange(positions.shape[1])[None, :, None], jnp.where(chosen, top_idx, nblocks)
+    ].set(True)[..., :nblocks]
+
+    key_pos = jnp.arange(length)
+    key_block = jnp.minimum(key_pos // ratio, nblocks - 1)
+    in_block = jnp.take_along_axis(block_on, jnp.broadcast_to(key_block, (*block_on.shape[:2], length)), axis=-1)
+    in_block = in_block & (key_pos < nblocks * ratio)
+    tail_start = ((positions + 1) // ratio) * ratio
+    in_tail = key_pos[None, None, :] >= tail_start[..., None]
+    causal = key_pos[None, None, :] <= positions[..., None]
+    return causal & (in_block | in_tail)
+
+
+def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache):
+    """One QSA layer. u [B, T, H]; positions [B, T]; valid [B, T]; cache = (k [B, L, kv, hd], v, index [B, L, dI]).
+
+    Returns (y [B, T, H], new cache).
+    """
+    bsz, t, _ = u.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    k_cache, v_cache, index_cache = cache
+    length = k_cache.shape[1]
+
+    qg = linear(u, p["q_proj"]).reshape(bsz, t, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, nh * hd)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(linear(u, p["k_proj"]).reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(u, p["v_proj"]).reshape(bsz, t, nkv, hd)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    k = apply_rope(k, cos[:, :, None], sin[:, :, None])
+    k_cache = _scatter_rows(k_cache, k, positions, valid)
+    v_cache = _scatter_rows(v_cache, v, positions, valid)
+
+    key_pos = jnp.arange(length)
+    if cfg.qsa_enabled:
+        ni, di = cfg.indexer_n_heads, cfg.indexer_head_dim
+        qk_index = linear(u, p["indexer"]["index_qk_proj"])
+        q_index = rms_norm(qk_index[..., : ni * di].reshape(bsz, t, ni, di), p["indexer"]["q_layernorm"],
+                           cfg.rms_norm_eps)
+        q_index = apply_rope(q_index, cos[:, :, None], sin[:, :, None])
+        index_cache = _scatter_rows(index_cache, qk_index[..., ni * di :], positions, valid)
+        allowed = selection_mask(p["indexer"], cfg, q_index, index_cache, positions)
+    else:
+        allowed = key_pos[None, None, :] <= positions[..., None]
+
+    # Rows never read past their last written key: zero V there so poisoned cache slots cannot leak via 0 * NaN.
+    written = key_pos[None, :] <= jnp.max(jnp.where(valid, positions, -1), axis=1)[:, None]  # [B, L]
+    v_read = jnp.where(written[:, :, None, None], v_cache, 0).astype(u.dtype)
+    k_read = jnp.where(written[:, :, None, None], k_cache, 0).astype(u.dtype)
+
+    group = nh // nkv
+    qh = q.reshape(bsz, t, nkv, group, hd)
+    precision = "highest" if u.dtype == jnp.float32 else None
+    scores = jnp.einsum("btkgd,bskd->bkgts", qh, k_read, precision=precision,
+                        preferred_element_type=jnp.float32) * (hd**-0.5)
+    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(allowed[:, None, None], probs, 0.0).astype(u.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_read, precision=precision, preferred_element_type=jnp.float32)
+    out = out.astype(u.dtype).reshape(bsz, t, nh * hd) * jax.nn.sigmoid(gate)
+    return linear(out, p["o_proj"]), (k_cache, v_cache, index_cache)

@@ -1,0 +1,178 @@
+"""Per-request sampling (host, float64) and MTP verification.
+
+Determinism: the random stream for output token j of a request is keyed by (seed, j, purpose), so a request's
+samples do not depend on which other requests share its batch, on batch rows, or on pipeline delay.
+Speculative verification: greedy accepts a draft iff it equals the target argmax (exact); sampled acceptance is
+standard rejection sampling (accept d with prob min(1, p(d)/q(d)), else resample from max(p - q, 0)), so each
+output token is distributed exactly as the target's p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+
+        if self.n != 1:
+            bad("n", "only n=1 is supported")
+        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an int >= 1, or 0/-1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, f) <= 2.0:
+                bad(f, "must be in [-2, 2]")
+        if not (np.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "must be > 0 (1 = disabled)")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "must be a non-negative int or None")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an int >= 1")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = tuple(self.stop_token_ids or ())
+        if any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
+            bad("stop_token_ids", "must be non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_defaults(self) -> "SamplingParams":
+        """A sampled request without a seed gets a random one now, so its whole stream is fixed from here on."""
+        if self.seed is None and not self.greedy:
+            return dataclasses.replace(self, seed=random.SystemRandom().randrange(2**63))
+        return self
+
+
+def _rng(params: SamplingParams, index: int, purpose: int) -> np.random.Generator:
+    return np.random.default_rng([params.seed or 0, index, purpose])
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_prompt: int) -> np.ndarray:
+    x = logits.astype(np.float64)
+    if params.repetition_penalty != 1.0 and len(tokens):
+        seen = np.unique(np.asarray(tokens, np.int64))
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(tokens) > num_prompt:
+        counts = np.bincount(np.asarray(tokens[num_prompt:], np.int64), minlength=x.shape[0])[: x.shape[0]]
+        x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return x
+
+
+def probs_from_logits(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, top-k, top-p, min-p -> a normalised distribution (one-hot when greedy)."""
+    if params.greedy:
+        p = np.zeros_like(x, dtype=np.float64)
+        p[int(np.argmax(x))] = 1.0
+        return p
+    x = x.astype(np.float64) / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[0]:
+        kth = np.partition(x, -params.top_k)[-params.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - np.max(x))
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        csum = np.cumsum(p[order])
+        keep = (csum - p[order]) < params.top_p  # smallest prefix reaching top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+    if params.min_p > 0.0:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+    return p / p.sum()
+
+
+def _check_finite(logits: np.ndarray, rid: str):
+    if not np.all(np.isfinite(logits)):
+        raise FloatingPointError(f"non-finite logits for request {rid!r}: its state is corrupt (poisoned slot?)")
+
+
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), p.shape[0] - 1))
+
+
+def sample(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_out: int, rid: str = "?") -> int:
+    _check_finite(logits, rid)
+    p = probs_from_logits(apply_penalties(logits, params, tokens, len(tokens) - num_out), params)
+    return int(np.argmax(p)) if params.greedy else _draw(p, _rng(params, num_out, 0))
+
+
+def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: SamplingParams, tokens: Sequence[int],
+           num_out: int, rid: str = "?") -> tuple[int, list[int]]:
+    """target [nd + 1, V]: logits predicting drafts[0..nd-1] and the bonus. -> (accepted drafts m, m + 1 tokens)."""
+    _check_finite(target, rid)
+    num_prompt = len(tokens) - num_out
+    hist = list(tokens)
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        p = probs_from_logits(apply_penalties(target[i], params, hist, num_prompt), params)
+        if i == len(drafts):
+            t = int(np.argmax(p)) if params.greedy else _draw(p, _rng(params, num_out + i, 0))
+            return i, out + [t]
+        d = drafts[i]
+        if params.greedy:
+            t = int(np.argmax(p))
+            if t != d:
+                return i, out + [t]
+        else:
+            q = draft_probs[i] if i < len(draft_probs) and draft_probs[i] is not None else None
+            qd = 1.0 if q is None else float(q[d])
+            if not _rng(params, num_out + i, 1).random() < min(1.0, p[d] / qd if qd > 0 else 1.0):
+                resid = p.copy()
+                if q is None:
+                    resid[d] = 0.0
+                else:
+                    resid = np.maximum(p - q, 0.0)
+                if resid.sum() <= 0:
+                    resid = p
+                return i, out + [_draw(resid / resid.sum(), _rng(params, num_out + i, 2))]
+        out.append(d)
+        hist.append(d)
+    raise AssertionError("unreachable")
+
+
+def propose(draft_logits: np.ndarray, params: SamplingParams, num_out: int, rid: str = "?"):
+    """Draft tokens from the MTP head's logits [nd, V] -> (tokens, q per token or None when greedy)."""
+    _check_finite(draft_logits, rid)
+    if params.greedy:
+        return [int(np.argmax(r)) for r in draft_logits], [None] * len(draft_logits)
+    toks, qs = [], []
+    for i, r in enumerate(draft_logits):
+        q = probs_from_logits(r, params)
+        toks.append(_draw(q, _rng(params, num_out + i, 3)))
+        qs.append(q)
+    return toks, qs

@@ -1,0 +1,266 @@
+"""Continuous batching (vLLM-V1 style): running requests first (decodes and prefill chunks share a step), then
+FCFS admission; chunked prefill under `max_num_batched_tokens`; preemption by recompute when pages run out; a
+request with an uncommitted step is never scheduled again (per-request serialisation, invariant 5).
+
+The scheduler only plans; the engine turns a plan into immutable tickets and performs the device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from .state_store import SlotRef, SnapEntry, StoreLedger
+from .tickets import Capture
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: Any  # SamplingParams
+    arrival: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_computed: int = 0  # tokens folded into the committed state
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    draft_probs: list = dataclasses.field(default_factory=list)  # q(.) per draft (None when greedy)
+    slot: SlotRef | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    inflight: bool = False
+    aborted: bool = False
+    stop_checker: Any = None  # callable(token_ids) -> bool for stop strings (set by the LLM layer)
+    metrics: dict = dataclasses.field(default_factory=lambda: {
+        "num_cached_tokens": 0, "num_drafts": 0, "num_accepted": 0, "num_preemptions": 0, "num_steps": 0})
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    request: Request
+    start: int
+    tokens: tuple[int, ...]
+    num_drafts: int
+    samples: bool
+    capture: Capture | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = False
+    block_size: int = 16  # prefix-snapshot granularity (independent of the KV page size)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError(f"invalid scheduler limits: {self}")
+        if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
+            raise ValueError("max_num_batched_tokens must be >= num_speculative_tokens + 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, ledger: StoreLedger):
+        self.cfg, self.ledger = cfg, ledger
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    # ---- admission control
+    def add(self, req: Request):
+        n = len(req.prompt)
+        if n == 0:
+            raise ValueError(f"request {req.request_id}: empty prompt")
+        if n >= self.cfg.max_model_len:
+            raise ValueError(f"request {req.request_id}: prompt has {n} tokens but max_model_len is "
+                             f"{self.cfg.max_model_len} (needs room for at least one output token)")
+        pages_needed = -(-self.cfg.max_model_len // self.ledger.dims.page_size)
+        if pages_needed > self.ledger.dims.num_pages:
+            raise ValueError("the page pool cannot hold one max_model_len sequence")
+        self._insert_waiting(req)
+
+    def _insert_waiting(self, req: Request):
+        req.status = Status.WAITING
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival > req.arrival:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the plan of one step
+    def schedule(self) -> list[RowPlan]:
+        budget = self.cfg.max_num_batched_tokens
+        plans: list[RowPlan] = []
+        planned: set[str] = set()
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget <= 0:
+                break
+            if req.inflight or req.finished or req.status is not Status.RUNNING:
+                continue
+            plan = self._plan_running(req, budget)
+            if plan is None:
+                continue
+            if not self._ensure_pages(req, plan.start + len(plan.tokens), planned):
+                if req.status is not Status.RUNNING:  # preempted itself
+                    continue
+                continue
+            plans.append(plan)
+            planned.add(req.request_id)
+            budget -= len(plan.tokens)
+        # FCFS admission (no preemption on behalf of waiting requests)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and self.ledger.num_free_slots() > 0:
+            req = self.waiting[0]
+            plan = self._admit(req, budget)
+            if plan is None:
+                break
+            self.waiting.pop(0)
+            plans.append(plan)
+            planned.add(req.request_id)
+            budget -= len(plan.tokens)
+        return plans
+
+    def _chunk(self, req: Request, start: int, budget: int) -> tuple[int, Capture | None]:
+        known = len(req.tokens)
+        if req.drafts:  # drafts kept across a preemption: the last token is verified with them (decode path)
+            known -= 1
+        n = min(known - start, budget)
+        cap = None
+        if self.cfg.enable_prefix_caching:
+            bs = self.cfg.block_size
+            b = ((start + n) // bs) * bs
+            if start < b < start + n:
+                n = b - start  # end chunks on the snapshot grid so the boundary state is a checkpoint column
+            if (start + n) % bs == 0 and not self.ledger.has_snapshot(req.tokens[: start + n]):
+                cap = Capture(offset=n - 1, length=start + n)
+        return n, cap
+
+    def _plan_running(self, req: Request, budget: int) -> RowPlan | None:
+        start, known = req.num_computed, len(req.tokens)
+        if known - start > 1:  # prefill (or recompute) chunk
+            n, cap = self._chunk(req, start, budget)
+            return RowPlan(req, start, tuple(req.tokens[start:start + n]), 0, start + n == known, cap)
+        limit = self.cfg.max_model_len - 1 - (start + 1)  # accepted drafts + bonus must fit
+        nd = max(0, min(len(req.drafts), self.cfg.num_speculative_tokens, limit))
+        if 1 + nd > budget:
+            # never trim drafts to fit the step: the number verified would then depend on the other requests,
+            # and with sampling so would the tokens (isolation, invariant 11). Wait for the next step instead.
+            return None
+        toks = (req.tokens[-1], *req.drafts[:nd])
+        cap = None
+        if self.cfg.enable_prefix_caching:
+            bs = self.cfg.block_size
+            for j in range(len(toks) - 1, -1, -1):
+                if (start + j + 1) % bs == 0:
+                    cap = Capture(offset=j, length=start + j + 1)
+                    break
+        return RowPlan(req, start, toks, nd, True, cap)
+
+    def _pages_for(self, length: int) -> int:
+        return -(-length // self.ledger.dims.page_size)
+
+    def _ensure_pages(self, req: Request, length: int, planned: set[str]) -> bool:
+        need = self._pages_for(length) - len(req.pages)
+        while need > 0 and not self.ledger.can_allocate_pages(need):
+            later = [r for r in self.running if r.arrival > req.arrival and not r.inflight
+                     and r.request_id not in planned and r.status is Status.RUNNING]
+            if later:  # FCFS priority: the latest arrival gives its pages back (recompute later)
+                self.preempt(max(later, key=lambda r: r.arrival))
+                continue
+            if any(r is not req and r.inflight for r in self.running):
+                return False  # an in-flight request cannot be preempted (its ticket holds it): wait a step
+            self.preempt(req)  # the latest itself: step aside so earlier requests progress
+            return False
+        if need > 0:
+            req.pages.extend(self.ledger.allocate_pages(need, req.request_id))
+        return True
+
+    def _admit(self, req: Request, budget: int) -> RowPlan | None:
+        hit: SnapEntry | None = None
+        if self.cfg.enable_prefix_caching:
+            # with kept drafts the last token must stay uncomputed (it is verified together with them)
+            hit = self.ledger.lookup(req.tokens[:-1] if req.drafts else req.tokens, self.cfg.block_size)
+        start = len(hit.tokens) if hit else 0
+        if hit:
+            self.ledger.acquire(hit)
+        try:
+            n, cap = self._chunk(req, start, budget)
+            ps = self.ledger.dims.page_size
+            shared = list(hit.pages[: start // ps]) if hit else []
+            partial = hit.pages[start // ps] if hit and start % ps else None
+            need = self._pages_for(start + n) - len(shared)
+            if not self.ledger.can_allocate_pages(need):
+                return None
+            req.slot = self.ledger.allocate_slot(req.request_id, hit)
+            for p in shared:
+                self.ledger.share_page(p)
+            own = self.ledger.allocate_pages(need, req.request_id)
+            if partial is not None:
+                self.ledger.copy_page(partial, own[0])  # copy-on-write of the snapshot's partial page
+            req.pages = shared + own
+        finally:
+            if hit:
+                self.ledger.release(hit)
+        req.num_computed = start
+        req.metrics["num_cached_tokens"] = max(req.metrics["num_cached_tokens"], start)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        known = len(req.tokens)
+        return RowPlan(req, start, tuple(req.tokens[start:start + n]), 0, start + n == known, cap)
+
+    # ---- leaving
+    def preempt(self, req: Request):
+        """Recompute-style preemption: drop all state; the request re-prefills prompt + output later."""
+        assert not req.inflight
+        self._free(req)
+        req.num_computed = 0  # drafts are kept: after the recompute they are verified exactly as they would be
+        req.metrics["num_preemptions"] += 1
+        self.running.remove(req)
+        self._insert_waiting(req)
+
+    def finish(self, req: Request, reason: str):
+        """Mark finished; resources go back only when no uncommitted ticket references them (invariant 4)."""
+        if req.finished:
+            return
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if not req.inflight:
+            self._free(req)
+
+    def retire(self, req: Request):
+        """Called when a finished request's last ticket committed."""
+        if req.finished and not req.inflight:
+            self._free(req)
+
+    def _free(self, req: Request):
+        if req.slot is not None:
+            self.ledger.release_slot(req.slot)
+            req.slot = None
+        if req.pages:
+            self.ledger.release_pages(req.pages)
+            req.pages = []

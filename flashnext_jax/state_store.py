@@ -1,0 +1,502 @@
+"""Slot-indexed per-request state: an immutable device pytree plus the host ledger that owns its indices.
+
+Why (docs/engine-design.md, ../shared/docs/state-store.md): the incident happened because persistent state was
+addressed by the *batch row* of a stale batch. Here the only index into persistent state is a slot id (or a page
+id / snapshot id), every slot carries a generation, and every write names the (slot, generation) it was scheduled
+with; a mismatch is a no-op on device and an error in the host ledger.
+
+Layout (`StateStore`, a registered dataclass pytree; leading axis = slot/page/snapshot; the last index of each
+pool is the poisoned null entry that padding rows read):
+  slot[name]  [num_slots + 1, K1, *shape]   per-slot state with K1 = k + 1 checkpoint columns (MTP rollback)
+  cursor      [num_slots + 1] int32          which column holds the committed state
+  gen         [num_slots + 1] int32          generation; bumped when a slot is released (and poisoned)
+  page[name]  [num_pages + 1, page_size, *shape]   per-token entries (KV, index keys, MTP KV) in pages
+  snap[name]  [num_snaps + 1, *shape]        immutable prefix snapshots of every slot leaf (one column)
+
+All device ops are pure functions `store -> store`, jitted with the store donated, with indices padded to a
+power-of-two bucket using an out-of-range index that `mode="drop"` discards.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT_POISON = -(2**31) + 7  # sentinel for integer leaves: every legitimate value is >= 0
+
+
+# --------------------------------------------------------------------------------------------------- spec + store
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One state tensor: per-slot (or per-token for pages) shape, dtype, initial value and poison value."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    init: float | int = 0
+
+    @property
+    def poison(self):
+        return float("nan") if jnp.issubdtype(self.dtype, jnp.floating) else INT_POISON
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """What a model needs per request: slot leaves (with checkpoint columns) and per-token page leaves."""
+
+    slot: dict[str, Leaf]
+    page: dict[str, Leaf]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreDims:
+    num_slots: int
+    num_pages: int
+    page_size: int
+    num_snaps: int
+    num_columns: int  # K1 = num_speculative_tokens + 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"StoreDims.{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["slot", "cursor", "gen", "page", "snap"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StateStore:
+    slot: dict[str, jax.Array]
+    cursor: jax.Array
+    gen: jax.Array
+    page: dict[str, jax.Array]
+    snap: dict[str, jax.Array]
+
+    @property
+    def num_slots(self) -> int:
+        return self.cursor.shape[0] - 1
+
+    @property
+    def num_pages(self) -> int:
+        return next(iter(self.page.values())).shape[0] - 1 if self.page else 0
+
+    @property
+    def num_snaps(self) -> int:
+        return next(iter(self.snap.values())).shape[0] - 1 if self.snap else 0
+
+
+def init_store(spec: StoreSpec, dims: StoreDims) -> StateStore:
+    """Every slot, page and snapshot starts poisoned: nothing is readable before it was written for its owner."""
+    slot = {n: jnp.full((dims.num_slots + 1, dims.num_columns, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
+    page = {n: jnp.full((dims.num_pages + 1, dims.page_size, *l.shape), l.poison, l.dtype) for n, l in spec.page.items()}
+    snap = {n: jnp.full((dims.num_snaps + 1, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
+    return StateStore(slot=slot, cursor=jnp.zeros((dims.num_slots + 1,), jnp.int32),
+                      gen=jnp.zeros((dims.num_slots + 1,), jnp.int32), page=page, snap=snap)
+
+
+# ------------------------------------------------------------------------- in-step helpers (used by model steps)
+
+
+def live_rows(store: StateStore, slot: jax.Array, gen: jax.Array) -> jax.Array:
+    """[B] bool: the row names a real slot whose generation matches the one it was scheduled with."""
+    s = store.num_slots
+    safe = jnp.clip(slot, 0, s)
+    return (slot >= 0) & (slot < s) & (store.gen[safe] == gen) & (gen % 2 == 1)  # odd generation = allocated
+
+
+def read_slots(store: StateStore, slot: jax.Array, live: jax.Array) -> dict[str, jax.Array]:
+    """Committed state of each row's slot ([B, *shape] per leaf); non-live rows read the poisoned null slot."""
+    idx = jnp.where(live, slot, store.num_slots)
+    col = store.cursor[idx]
+    return {n: a[idx, col] for n, a in store.slot.items()}
+
+
+def write_slots(store: StateStore, slot: jax.Array, live: jax.Array, columns: dict[str, jax.Array]) -> StateStore:
+    """Scatter [B, K1, *shape] checkpoint columns back to the rows' slots; non-live rows are dropped."""
+    idx = jnp.where(live, slot, store.num_slots + 1)  # out of range -> dropped
+    new = {n: store.slot[n].at[idx].set(columns[n].astype(store.slot[n].dtype), mode="drop") for n in store.slot}
+    return dataclasses.replace(store, slot=new)
+
+
+def token_page_index(page_table: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page id, offset) of absolute positions [B, T] through per-row page tables [B, MP]; -1 where unmapped."""
+    mp = page_table.shape[1]
+    blk = positions // page_size
+    pid = jnp.take_along_axis(page_table, jnp.clip(blk, 0, mp - 1), axis=1)
+    pid = jnp.where((blk >= 0) & (blk < mp), pid, -1)
+    return pid, positions % page_size
+
+
+def read_pages(store: StateStore, name: str, page_table: jax.Array) -> jax.Array:
+    """[B, MP * page_size, *shape] entries of each row's pages (unmapped pages read the poisoned null page)."""
+    pt = jnp.where(page_table >= 0, page_table, store.num_pages)
+    a = store.page[name][pt]  # [B, MP, page, ...]
+    return a.reshape(a.shape[0], -1, *a.shape[3:])
+
+
+def write_pages(store: StateStore, name: str, page_table: jax.Array, positions: jax.Array, valid: jax.Array,
+                values: jax.Array) -> StateStore:
+    """Write per-token entries [B, T, *shape] at absolute positions [B, T] where `valid` (live rows, real tokens)."""
+    pid, off = token_page_index(page_table, positions, store.page[name].shape[1])
+    pid = jnp.where(valid & (pid >= 0), pid, store.num_pages + 1)
+    new = dict(store.page)
+    new[name] = store.page[name].at[pid, off].set(values.astype(new[name].dtype), mode="drop")
+    return dataclasses.replace(store, page=new)
+
+
+# ------------------------------------------------------------------------------ store ops (jitted, store donated)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int, fill: int = -1) -> np.ndarray:
+    out = np.full((max(8, _bucket(len(rows))), width), fill, np.int32)
+    for i, r in enumerate(rows):
+        out[i] = r
+    return out
+
+
+def _oob(idx, cond, bound):
+    return jnp.where(cond & (idx >= 0), idx, bound)
+
+
+def _gen_ok(store, slot, gen):
+    return live_rows(store, slot, gen)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_capture(store: StateStore, a):  # a: [N, 4] (slot, gen, col, snap)
+    slot, gen, col, dst = a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    ok = _gen_ok(store, slot, gen) & (dst >= 0) & (dst < store.num_snaps)
+    src = jnp.clip(slot, 0, store.num_slots)
+    d = _oob(dst, ok, store.num_snaps + 1)
+    c = jnp.clip(col, 0, next(iter(store.slot.values())).shape[1] - 1)
+    snap = {n: store.snap[n].at[d].set(store.slot[n][src, c], mode="drop") for n in store.snap}
+    return dataclasses.replace(store, snap=snap)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_cursor(store: StateStore, a):  # (slot, gen, col)
+    slot, gen, col = a[:, 0], a[:, 1], a[:, 2]
+    ok = _gen_ok(store, slot, gen)
+    return dataclasses.replace(store, cursor=store.cursor.at[_oob(slot, ok, store.num_slots + 1)].set(col, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(2,))
+def _op_reset(store: StateStore, a, inits):  # (slot, new odd gen, snap or -1): allocation (host-authoritative)
+    slot, gen, src = a[:, 0], a[:, 1], a[:, 2]
+    ok = (slot >= 0) & (slot < store.num_slots)
+    d = _oob(slot, ok, store.num_slots + 1)
+    from_snap = src >= 0
+    s = jnp.clip(src, 0, store.num_snaps)
+    new = {}
+    for n, arr in store.slot.items():
+        init = jnp.full(arr.shape[2:], dict(inits)[n], arr.dtype)
+        val = jnp.where(from_snap.reshape((-1,) + (1,) * (arr.ndim - 2)), store.snap[n][s], init[None])
+        val = jnp.broadcast_to(val[:, None], (val.shape[0], arr.shape[1], *arr.shape[2:]))
+        new[n] = arr.at[d].set(val, mode="drop")
+    return dataclasses.replace(store, slot=new, cursor=store.cursor.at[d].set(0, mode="drop"),
+                               gen=store.gen.at[d].set(gen, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_poison_slots(store: StateStore, a):  # (slot, gen): poison and bump the generation
+    slot, gen = a[:, 0], a[:, 1]
+    ok = _gen_ok(store, slot, gen)
+    d = _oob(slot, ok, store.num_slots + 1)
+    new = {n: arr.at[d].set(jnp.full(arr.shape[1:], _poison_of(arr.dtype), arr.dtype), mode="drop")
+           for n, arr in store.slot.items()}
+    return dataclasses.replace(store, slot=new, gen=store.gen.at[d].add(1, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_copy_pages(store: StateStore, a):  # (src page, dst page)
+    src, dst = a[:, 0], a[:, 1]
+    ok = (src >= 0) & (dst >= 0)
+    d = _oob(dst, ok, store.num_pages + 1)
+    s = jnp.clip(src, 0, store.num_pages)
+    return dataclasses.replace(store, page={n: arr.at[d].set(arr[s], mode="drop") for n, arr in store.page.items()})
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_poison_pages(store: StateStore, a):  # (page,)
+    d = _oob(a[:, 0], a[:, 0] >= 0, store.num_pages + 1)
+    return dataclasses.replace(store, page={
+        n: arr.at[d].set(jnp.full(arr.shape[1:], _poison_of(arr.dtype), arr.dtype), mode="drop")
+        for n, arr in store.page.items()})
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _op_poison_snaps(store: StateStore, a):  # (snap,)
+    d = _oob(a[:, 0], a[:, 0] >= 0, store.num_snaps + 1)
+    return dataclasses.replace(store, snap={
+        n: arr.at[d].set(jnp.full(arr.shape[1:], _poison_of(arr.dtype), arr.dtype), mode="drop")
+        for n, arr in store.snap.items()})
+
+
+def _poison_of(dtype):
+    return float("nan") if jnp.issubdtype(dtype, jnp.floating) else INT_POISON
+
+
+# ------------------------------------------------------------------------------------------------ host ledger
+
+
+class StaleWrite(RuntimeError):
+    """A write named a (slot, generation) that no longer owns the slot: in the incident this corrupted state."""
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRef:
+    """The only handle to a request's persistent state."""
+
+    slot: int
+    gen: int
+
+
+@dataclasses.dataclass
+class _SlotInfo:
+    owner: Any = None
+    gen: int = 0
+    inflight: int = 0
+
+
+@dataclasses.dataclass
+class SnapEntry:
+    snap_id: int
+    tokens: tuple[int, ...]  # the exact prefix (collision check)
+    pages: tuple[int, ...]  # pages covering [0, len(tokens)), each holding one ref
+    refs: int = 0  # readers restoring from it right now
+
+
+def prefix_key(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+class StoreLedger:
+    """Host-side owner of every index into a `StateStore`; the only code that mutates it is here.
+
+    Device ops are queued in order (`_ops`) and flushed, grouped by kind, before each step and after each commit,
+    so within-commit ordering (capture before release, release before re-allocation) is program order.
+    """
+
+    def __init__(self, spec: StoreSpec, dims: StoreDims, debug: bool = True, min_capacity: tuple = (1, 1, 1)):
+        self.spec, self.dims, self.debug = spec, dims, debug
+        # device pools are rounded up to power-of-two capacities so that configurations differing only in pool
+        # sizes share compiled steps; the ledger hands out only the first `dims` entries (the rest stay poisoned)
+        self.store = init_store(spec, dataclasses.replace(
+            dims, num_slots=_bucket(max(dims.num_slots, min_capacity[0])),
+            num_pages=_bucket(max(dims.num_pages, min_capacity[1])), num_snaps=_bucket(max(dims.num_snaps, min_capacity[2]))))
+        self._inits = tuple((n, l.init) for n, l in spec.slot.items())
+        self.slots = [_SlotInfo() for _ in range(dims.num_slots)]
+        self.free_slots: collections.deque[int] = collections.deque(range(dims.num_slots))
+        self.page_refs = [0] * dims.num_pages
+        self.page_owner: list[Any] = [None] * dims.num_pages  # exclusive writer (a request) or None (read-only)
+        self.free_pages: collections.deque[int] = collections.deque(range(dims.num_pages))
+        self.snaps: collections.OrderedDict[bytes, SnapEntry] = collections.OrderedDict()  # LRU order
+        self.free_snaps: collections.deque[int] = collections.deque(range(dims.num_snaps))
+        self._ops: list[tuple[str, tuple]] = []
+        self.stats = collections.Counter()
+
+    # ---- slots
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def allocate_slot(self, owner, snapshot: SnapEntry | None = None) -> SlotRef:
+        """Take a free slot for `owner`, reset to the initial state or restored (copy) from a snapshot."""
+        if not self.free_slots:
+            raise RuntimeError("no free slot")
+        s = self.free_slots.popleft()
+        info = self.slots[s]
+        assert info.owner is None and info.inflight == 0
+        info.owner, info.gen = owner, info.gen + 1  # odd while allocated, even while free
+        ref = SlotRef(s, info.gen)
+        self._ops.append(("reset", (s, info.gen, snapshot.snap_id if snapshot else -1)))
+        return ref
+
+    def check(self, ref: SlotRef, owner=None) -> bool:
+        info = self.slots[ref.slot]
+        ok = info.gen == ref.gen and info.owner is not None and (owner is None or info.owner == owner)
+        if not ok and self.debug:
+            raise StaleWrite(f"slot {ref.slot} gen {ref.gen} (owner {owner!r}) is now gen {info.gen} "
+                             f"owned by {info.owner!r}")
+        return ok
+
+    def begin_inflight(self, ref: SlotRef):
+        self.check(ref)
+        self.slots[ref.slot].inflight += 1
+
+    def end_inflight(self, ref: SlotRef):
+        info = self.slots[ref.slot]
+        assert info.gen == ref.gen and info.inflight > 0, (ref, info)
+        info.inflight -= 1
+
+    def inflight(self, ref: SlotRef) -> int:
+        return self.slots[ref.slot].inflight
+
+    def release_slot(self, ref: SlotRef):
+        """Poison the slot and bump its generation; refused while an uncommitted ticket references it."""
+        self.check(ref)
+        info = self.slots[ref.slot]
+        if info.inflight:
+            raise RuntimeError(f"slot {ref.slot} released with {info.inflight} uncommitted ticket(s)")
+        self._ops.append(("poison_slot", (ref.slot, ref.gen)))
+        info.owner, info.gen = None, info.gen + 1
+        self.free_slots.append(ref.slot)
+
+    def set_cursor(self, ref: SlotRef, col: int):
+        if self.check(ref):
+            self._ops.append(("cursor", (ref.slot, ref.gen, col)))
+
+    # ---- pages
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def allocate_pages(self, n: int, owner) -> list[int]:
+        while len(self.free_pages) < n and self._evict_one():
+            pass
+        if len(self.free_pages) < n:
+            raise OutOfPages(f"need {n} pages, {len(self.free_pages)} free")
+        out = [self.free_pages.popleft() for _ in range(n)]
+        for p in out:
+            assert self.page_refs[p] == 0
+            self.page_refs[p], self.page_owner[p] = 1, owner
+        return out
+
+    def can_allocate_pages(self, n: int) -> bool:
+        evictable = [e for e in self.snaps.values() if e.refs == 0]
+        if len(self.free_pages) >= n:
+            return True
+        # pages that would come free if every unreferenced snapshot were evicted
+        gain = collections.Counter(p for e in evictable for p in e.pages)
+        freeable = sum(1 for p, c in gain.items() if self.page_refs[p] == c)
+        return len(self.free_pages) + freeable >= n
+
+    def share_page(self, p: int):
+        """Add a read-only reference (prefix sharing): the page loses its exclusive writer."""
+        assert self.page_refs[p] > 0
+        self.page_refs[p] += 1
+        self.page_owner[p] = None
+
+    def release_pages(self, pages: Iterable[int]):
+        for p in pages:
+            assert self.page_refs[p] > 0, p
+            self.page_refs[p] -= 1
+            if self.page_refs[p] == 0:
+                self.page_owner[p] = None
+                self._ops.append(("poison_page", (p,)))
+                self.free_pages.append(p)
+
+    def check_page_writable(self, p: int, owner):
+        if not (0 <= p < self.dims.num_pages and self.page_refs[p] == 1 and self.page_owner[p] == owner):
+            raise StaleWrite(f"page {p} is not exclusively owned by {owner!r} "
+                             f"(refs {self.page_refs[p] if 0 <= p < self.dims.num_pages else '-'}, "
+                             f"owner {self.page_owner[p] if 0 <= p < self.dims.num_pages else '-'})")
+
+    def copy_page(self, src: int, dst: int):
+        self._ops.append(("copy_page", (src, dst)))
+
+    # ---- prefix snapshots
+    def lookup(self, tokens: Sequence[int], block: int) -> SnapEntry | None:
+        """Longest published snapshot at a multiple of `block` strictly shorter than `tokens`."""
+        for m in range((len(tokens) - 1) // block, 0, -1):
+            e = self.snaps.get(prefix_key(tokens[: m * block]))
+            if e is not None and e.tokens == tuple(tokens[: m * block]):
+                self.snaps.move_to_end(prefix_key(e.tokens))
+                self.stats["prefix_hits"] += 1
+                return e
+        return None
+
+    def has_snapshot(self, tokens: Sequence[int]) -> bool:
+        return prefix_key(tokens) in self.snaps
+
+    def acquire(self, e: SnapEntry):
+        e.refs += 1
+
+    def release(self, e: SnapEntry):
+        assert e.refs > 0
+        e.refs -= 1
+
+    def publish(self, ref: SlotRef, col: int, tokens: Sequence[int], pages: Sequence[int], owner) -> SnapEntry | None:
+        """Capture the slot's column `col` (state after exactly len(tokens) tokens) as an immutable snapshot.
+
+        Full pages are shared read-only; a partial last page is copied so the owner's later writes cannot reach it.
+        Called only from a commit, so the snapshot becomes visible after its write and never to the same step.
+        """
+        key = prefix_key(tokens)
+        if key in self.snaps or not self.check(ref, owner):
+            return None
+        if not self.free_snaps and not self._evict_one():
+            return None
+        ps = self.dims.page_size
+        n_full, rem = divmod(len(tokens), ps)
+        if rem and not self.can_allocate_pages(1):
+            return None
+        snap_id = self.free_snaps.popleft()
+        self._ops.append(("capture", (ref.slot, ref.gen, col, snap_id)))
+        own = []
+        for p in pages[:n_full]:
+            self.share_page(p)
+            own.append(p)
+        if rem:
+            (cp,) = self.allocate_pages(1, None)
+            self.page_owner[cp] = None
+            self.copy_page(pages[n_full], cp)
+            own.append(cp)
+        e = SnapEntry(snap_id, tuple(tokens), tuple(own))
+        self.snaps[key] = e
+        self.stats["snapshots_published"] += 1
+        return e
+
+    def _evict_one(self) -> bool:
+        for key, e in self.snaps.items():  # LRU first
+            if e.refs == 0:
+                del self.snaps[key]
+                self.release_pages(e.pages)
+                self._ops.append(("poison_snap", (e.snap_id,)))
+                self.free_snaps.append(e.snap_id)
+                self.stats["snapshots_evicted"] += 1
+                return True
+        return False
+
+    # ---- device
+    def flush(self):
+        """Apply queued device ops in program order (consecutive ops of one kind go in one jitted call)."""
+        ops, self._ops = self._ops, []
+        i = 0
+        while i < len(ops):
+            kind = ops[i][0]
+            j = i
+            while j < len(ops) and ops[j][0] == kind:
+                j += 1
+            rows = [o[1] for o in ops[i:j]]
+            a = jnp.asarray(_pad(rows, len(rows[0])))
+            if kind == "reset":
+                self.store = _op_reset(self.store, a, self._inits)
+            else:
+                fn = {"capture": _op_capture, "cursor": _op_cursor, "poison_slot": _op_poison_slots,
+                      "copy_page": _op_copy_pages, "poison_page": _op_poison_pages, "poison_snap": _op_poison_snaps}[kind]
+                self.store = fn(self.store, a)
+            i = j
+
+    def update(self, fn: Callable[[StateStore], StateStore]):
+        self.flush()
+        self.store = fn(self.store)
+
+    def usage(self) -> dict:
+        return {"slots_used": self.dims.num_slots - len(self.free_slots), "slots": self.dims.num_slots,
+                "pages_used": self.dims.num_pages - len(self.free_pages), "pages": self.dims.num_pages,
+                "snapshots": len(self.snaps), "snapshot_capacity": self.dims.num_snaps}

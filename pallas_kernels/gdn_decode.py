@@ -1,0 +1,94 @@
+"""Pallas (Triton backend) recurrent gated delta rule for decode / MTP verify with slot-indexed checkpoints.
+
+State layout (see gdn_reference and docs/kernels-gdn.md): state [num_slots, K1, Hv, Dk, Dv] fp32 viewed flat as
+[num_slots*K1, Hv, Dk, Dv]; a row reads column read_col[b] of slot slots[b] and writes the state after its
+token t to column t of the same slot, in place (input_output_aliases). Rows with slot < 0 are padding: their
+state blocks are never stored (o = 0).
+
+Grid (B, Hv, Dv / BV): each program keeps one [Dk, BV] fp32 state block in registers for all T tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gdn_reference import L2_EPS, flat_state
+
+try:  # Triton-backend compiler params (GPU); unused in interpret mode
+    from jax.experimental.pallas import triton as pltriton
+except Exception:  # pragma: no cover
+    pltriton = None
+
+
+def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref, s_out_ref, *, T, ratio, BV,
+                   scale, l2):
+    del s_in_ref  # aliased with s_out_ref
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    j = pl.program_id(2)
+    hk = h // ratio
+    slot = meta_ref[b, 0]
+    rrow = meta_ref[b, 1]
+    wrow = meta_ref[b, 2]
+    valid = slot >= 0
+    cols = pl.ds(j * BV, BV)
+    S = s_out_ref[jnp.maximum(rrow, 0), h, :, cols].astype(jnp.float32)  # [Dk, BV]
+    for t in range(T):
+        q = q_ref[b, t, hk, :].astype(jnp.float32)
+        k = k_ref[b, t, hk, :].astype(jnp.float32)
+        v = v_ref[b, t, h, cols].astype(jnp.float32)
+        g = g_ref[b, t, h].astype(jnp.float32)
+        beta = b_ref[b, t, h].astype(jnp.float32)
+        if l2:
+            q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS)
+            k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+        q = q * scale
+        S = S * jnp.exp(g)
+        kv = jnp.sum(k[:, None] * S, axis=0)
+        u = beta * (v - kv)
+        S = S + k[:, None] * u[None, :]
+        o = jnp.sum(q[:, None] * S, axis=0)
+        o_ref[b, t, h, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+
+        @pl.when(valid)
+        def _store(S=S, t=t):
+            s_out_ref[wrow + t, h, :, cols] = S
+
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "block_v", "num_warps"),
+                   donate_argnames=("state",))
+def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, scale, read_col=None,
+                                            use_qk_l2norm=False, interpret=False, block_v=None, num_warps=None):
+    """Same contract as gdn_reference.recurrent_gated_delta_rule_slots; state is donated and updated in place."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    flat, k1, unflat = flat_state(state)
+    assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
+    assert flat.dtype == jnp.float32
+    slots = slots.astype(jnp.int32)
+    rc = jnp.zeros((B,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
+    meta = jnp.stack([slots, slots * k1 + rc, slots * k1, jnp.zeros_like(slots)], axis=1)  # [B, 4]
+    # tuned on the H200 (bench/results/gdn.json): small batches want many small programs
+    BV = min(Dv, block_v or (16 if B * Hv < 16 * 48 else 64))
+    nw = num_warps or (2 if BV <= 16 else 4)
+    kernel = functools.partial(_decode_kernel, T=T, ratio=Hv // Hk, BV=BV, scale=float(scale),
+                               l2=bool(use_qk_l2norm))
+    kw = {}
+    if not interpret and pltriton is not None:
+        kw["compiler_params"] = pltriton.CompilerParams(num_warps=nw, num_stages=1)
+    o, new_flat = pl.pallas_call(
+        kernel,
+        grid=(B, Hv, Dv // BV),
+        out_shape=(jax.ShapeDtypeStruct((B, T, Hv, Dv), v.dtype),
+                   jax.ShapeDtypeStruct(flat.shape, flat.dtype)),
+        input_output_aliases={6: 1},
+        interpret=interpret,
+        **kw,
+    )(meta, q, k, v, g, beta, flat)
+    return o, unflat(new_flat)

@@ -1,0 +1,301 @@
+"""y = x @ dequant(W) for int4 / int6 / int8 group-quantized weights (W{4,6,8}A16), Pallas kernel + reference.
+
+Backend choice: `pl.pallas_call` through the Triton backend (the only pallas_call lowering on CUDA in jax
+0.11.2). The kernel streams the packed planes of quant_layout (no repacking, no widening) one quantization
+group at a time: for each group and slot it loads [G/r, BN] packed bytes, extracts the fields with integer
+shifts, runs a [BM, G/r] x [G/r, BN] tensor-core dot with the matching contiguous activation slice, and
+scales the [BM, BN] group partial by the group's scale row (the scale is applied after the dot, so the
+dequantization cost per byte does not grow with M). Mosaic GPU (plgpu.kernel) would give TMA and wgmma,
+but the Triton path works with the layout above in interpret mode and on the H200 without any per-shape
+host machinery; the measured numbers are in docs/kernels-quant-matmul.md and bench/results/quant_matmul.json.
+
+One kernel body, two tilings: decode (M <= 64: BM = 16..64, split-K over the grid, each program owns a
+contiguous run of groups, fp32 partials summed by XLA) and prefill (M > 64: BM = 128 tiles of M, full K).
+
+Dispatch (`quant_matmul` with impl 'pallas'/'interpret'), from the H200 run in
+bench/results/quant_matmul.json (device time per call, copy ceiling 4.29 TB/s measured in that run):
+* M <= DECODE_MAX_M (32): the Pallas decode kernel. At M <= 16 it beats XLA's dequant+dot 1.0-3.5x
+  (lm_head int8 296 us vs 1042 us) but reaches only 0.09-0.51 of the copy bandwidth: it is bound by the
+  per-value dequantization work (about 2e12 dequantized values/s at every bit width: int8 lm_head
+  2.15e12, int4 8192x28672 1.97e12, int6 in_proj_qkv 1.7e12 fields/s), not by HBM;
+* M > DECODE_MAX_M: XLA dequantization to bf16 + XLA's bf16 dot (`dequant_dot_xla`), which reaches
+  0.58-0.82 of the bf16 dot's FLOP/s at M = 512, where this Triton kernel (small-K tensor-core steps, one
+  scale multiply per group) reaches only 0.02-0.12. The kernel's prefill tiling stays available
+  (path='kernel') and tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight, dequantize, resolve_impl
+
+try:  # the Triton compiler params; absent or unused in interpret mode
+    from jax.experimental.pallas import triton as pl_triton
+except Exception:  # pragma: no cover
+    pl_triton = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    bm: int  # rows of x per program (>= 16: tensor-core dot)
+    bn: int  # output columns per program
+    splits: int  # split-K factor (programs along K); 1 = no partials
+    groups_per_iter: int  # quantization groups unrolled per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# --------------------------------------------------------------------------------------------- reference
+
+def quant_matmul_reference(x: jax.Array, w) -> jax.Array:
+    """x [M, K] @ dequant(w) [K, N] in float32, result in x.dtype. `w` may also be a plain array [K, N]."""
+    wf = dequantize(w) if isinstance(w, QuantizedWeight) else jnp.asarray(w).astype(jnp.float32)
+    y = jnp.dot(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------- kernel body
+
+def _plane_slots(bits: int, group_size: int):
+    """[(plane index, width, slots r, signed, rows per slot, multiplier)] for one bit width."""
+    out = []
+    for pi, (width, r) in enumerate(PLANE_FORMATS[bits]):
+        signed = not (bits == 6 and pi == 0)  # the int6 low plane holds unsigned nibbles
+        mult = 16.0 if (bits == 6 and pi == 1) else 1.0
+        out.append((pi, width, r, signed, group_size // r, mult))
+    return out
+
+
+# Offset-binary dequantization ("magic number"): a b-bit field u in [0, 2^b) OR-ed into the bf16 bit pattern
+# 0x4300 (= 128.0, 7 mantissa bits) is exactly the bf16 number 128 + u, so no int->float conversion
+# instruction is needed (I2F runs at 16/clk/SM on Hopper: at int4 that alone would cap the kernel near 60%
+# of the copy bandwidth). The constant offset is removed after the dot: x @ (c + q) - c * sum(x).
+_BF16_128 = 0x4300
+
+
+def _magic_fields(raw, width, r, signed):
+    """Fields of a packed uint8 tile as bf16 (128 + u) plus the offset c with value = (128 + u) - c."""
+    v = raw.astype(jnp.int16)
+    half = 1 << (width - 1)
+    if signed:  # two's complement field -> offset binary: u = q + 2^(w-1) = field ^ 2^(w-1)
+        flip = 0
+        for s in range(r):
+            flip |= half << (width * s)
+        v = v ^ flip
+    offset = 128.0 + (half if signed else 0)
+    mask = (1 << width) - 1
+    fields = []
+    for s in range(r):
+        f = ((v >> (width * s)) & mask) | _BF16_128
+        fields.append(jax.lax.bitcast_convert_type(f.astype(jnp.int16), jnp.bfloat16))
+    return fields, offset
+
+
+def _exact_fields(raw, width, r, signed, compute_dtype):
+    if r == 1:
+        return [raw.astype(compute_dtype)]
+    v = raw.astype(jnp.int32)
+    fields = []
+    for s in range(r):
+        if signed:
+            f = (v << (32 - width * (s + 1))) >> (32 - width)
+        else:
+            f = (v >> (width * s)) & ((1 << width) - 1)
+        fields.append(f.astype(compute_dtype))
+    return fields
+
+
+def group_dot(load_x, load_plane, g, *, bits: int, group_size: int, compute_dtype):
+    """Unscaled x[:, group g] @ q[group g, tile] as float32 [BM, BN].
+
+    load_x(col0, ncols) -> [BM, ncols] activations; load_plane(pi, row0, nrows) -> [nrows, BN] packed bytes."""
+    total = None
+    magic = compute_dtype == jnp.bfloat16
+    for pi, width, r, signed, sub, mult in _plane_slots(bits, group_size):
+        raw = load_plane(pi, g * sub, sub)
+        if magic and r > 1:
+            fields, offset = _magic_fields(raw, width, r, signed)
+        else:
+            fields, offset = _exact_fields(raw, width, r, signed, compute_dtype), 0.0
+        part = None
+        for s, f in enumerate(fields):
+            xs = load_x(g * group_size + s * sub, sub)
+            d = jnp.dot(xs, f, preferred_element_type=jnp.float32)
+            if offset:
+                d = d - offset * jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            part = d if part is None else part + d
+        if mult != 1.0:
+            part = part * mult
+        total = part if total is None else total + part
+    return total
+
+
+def _dense_kernel(x_ref, *refs, bits, group_size, n_planes, groups_per_split, groups_per_iter, bn):
+    plane_refs = refs[:n_planes]
+    s_ref, o_ref = refs[n_planes], refs[n_planes + 1]
+    split = pl.program_id(1)
+    g0 = split * groups_per_split
+    cdt = x_ref.dtype
+
+    def load_x(c0, nc):
+        return x_ref[:, pl.ds(c0, nc)]
+
+    def load_plane(pi, r0, nr):
+        return plane_refs[pi][pl.ds(r0, nr), :]
+
+    def body(i, acc):
+        for u in range(groups_per_iter):
+            g = g0 + i * groups_per_iter + u
+            part = group_dot(load_x, load_plane, g, bits=bits, group_size=group_size, compute_dtype=cdt)
+            scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)
+            acc = acc + part * scale
+        return acc
+
+    acc = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
+    acc = jax.lax.fori_loop(0, groups_per_split // groups_per_iter, body, acc)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+# --------------------------------------------------------------------------------------------- shapes, configs
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def check_kernel_shape(x_shape, w: QuantizedWeight) -> None:
+    """Raises ValueError with the reason when the Pallas kernel cannot take these shapes."""
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"the Pallas kernel needs a QuantizedWeight, got {type(w).__name__}")
+    if len(x_shape) != 2:
+        raise ValueError(f"x must be [M, K] (flatten leading dims first), got shape {tuple(x_shape)}")
+    if w.ndim != 2:
+        raise ValueError(f"dense quant_matmul needs a 2-D weight [K, N], got {w.shape}")
+    if x_shape[1] != w.k:
+        raise ValueError(f"x has K={x_shape[1]} but the weight has K={w.k}")
+    if w.bits not in PLANE_FORMATS:
+        raise ValueError(f"unsupported bits {w.bits}")
+    for _, _, r, _, sub, _ in _plane_slots(w.bits, w.group_size):
+        if sub < 16 or sub & (sub - 1):
+            raise ValueError(
+                f"kernel needs group_size/{r} to be a power of two >= 16 for {w.bits}-bit weights "
+                f"(tensor-core dot tiles), got group_size={w.group_size}")
+    if w.n % 16:
+        raise ValueError(f"kernel needs N to be a multiple of 16, got N={w.n}")
+
+
+def _bm_for(m: int) -> int:
+    if m <= 16:
+        return 16
+    if m <= 32:
+        return 32
+    if m <= 64:
+        return 64
+    return 128
+
+
+def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseConfig:
+    """Heuristic config (tuned on the H200, see bench/results/quant_matmul.json)."""
+    bm = _bm_for(m)
+    n_groups = k // group_size
+    if bm >= 128:  # prefill: compute tiles, no split
+        bn = _pow2_divisor(n, 128)
+        return DenseConfig(bm=bm, bn=bn, splits=1, groups_per_iter=1, num_warps=8, num_stages=3)
+    bn = _pow2_divisor(n, 128 if bm <= 16 else 64)
+    # Enough programs to keep every SM streaming: aim for >= ~4 per SM (132 SMs on the H200).
+    tiles = -(-m // bm) * (n // bn)
+    splits = 1
+    for s in range(1, n_groups + 1):
+        if n_groups % s == 0:
+            splits = s
+            if tiles * s >= 528:
+                break
+    gps = n_groups // splits
+    gpi = 2 if gps % 2 == 0 else 1
+    return DenseConfig(bm=bm, bn=bn, splits=splits, groups_per_iter=gpi, num_warps=4, num_stages=3)
+
+
+# --------------------------------------------------------------------------------------------- entry points
+
+def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig | None = None,
+                        interpret: bool = False) -> jax.Array:
+    check_kernel_shape(x.shape, w)
+    m, k = x.shape
+    n = w.n
+    g = w.group_size
+    n_groups = k // g
+    cfg = config or default_config(m, k, n, w.bits, g)
+    if n % cfg.bn or n_groups % cfg.splits or (n_groups // cfg.splits) % cfg.groups_per_iter:
+        raise ValueError(f"config {cfg} does not tile N={n}, groups={n_groups}")
+    bm = cfg.bm
+    mp = -(-m // bm) * bm
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    planes = list(w.planes)
+    split_out = cfg.splits > 1
+    grid = (n // cfg.bn, cfg.splits, mp // bm)
+    in_specs = [pl.BlockSpec((bm, k), lambda j, s, i: (i, 0))]
+    in_specs += [pl.BlockSpec((p.shape[0], cfg.bn), lambda j, s, i: (0, j)) for p in planes]
+    in_specs += [pl.BlockSpec((n_groups, cfg.bn), lambda j, s, i: (0, j))]
+    if split_out:
+        out_shape = jax.ShapeDtypeStruct((cfg.splits, mp, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, bm, cfg.bn), lambda j, s, i: (s, i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
+        out_spec = pl.BlockSpec((bm, cfg.bn), lambda j, s, i: (i, j))
+    kernel = functools.partial(
+        _dense_kernel, bits=w.bits, group_size=g, n_planes=len(planes),
+        groups_per_split=n_groups // cfg.splits, groups_per_iter=cfg.groups_per_iter, bn=cfg.bn)
+    params = None
+    if not interpret and pl_triton is not None:
+        params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    y = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
+        interpret=interpret, compiler_params=params,
+        name=f"quant_matmul_w{w.bits}g{g}_bm{bm}_bn{cfg.bn}_s{cfg.splits}",
+    )(xp, *planes, w.scales)
+    if split_out:
+        y = y.sum(axis=0).astype(x.dtype)
+    return y[:m] if mp != m else y
+
+
+DECODE_MAX_M = 32  # above this, dequant + XLA dot is faster than the kernel (see the module docstring)
+PATHS = ("auto", "kernel", "dequant_dot")
+
+
+def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """Prefill path: dequantize to bf16 with XLA (the product q * scale rounded to bf16), then XLA's dot
+    with fp32 accumulation. Measured on the H200 as the bench's `xla_dequant_us` column."""
+    from pallas_kernels.quant_layout import dequantize_ints
+    q = dequantize_ints(w).astype(jnp.bfloat16)
+    s = jnp.repeat(jnp.asarray(w.scales).astype(jnp.bfloat16), w.group_size, axis=-2)
+    return jnp.dot(x.astype(jnp.bfloat16), q * s, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfig | None = None,
+                 path: str = "auto") -> jax.Array:
+    """y [M, N] = x [M, K] @ dequant(w) [K, N], accumulated in float32, returned in x.dtype.
+
+    impl: None (FLASHNEXT_KERNELS, default 'auto'), 'auto', 'pallas', 'interpret' or 'reference'.
+    path (kernel impls only): 'auto' (kernel for M <= DECODE_MAX_M and shapes it can tile, else
+    dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take) or 'dequant_dot'. A plain (unquantized) array w always takes the reference path."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    mode = resolve_impl(impl)
+    if mode == "reference" or not isinstance(w, QuantizedWeight):
+        return quant_matmul_reference(x, w)
+    if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):
+        return dequant_dot_xla(x, w)
+    if path == "auto":
+        try:
+            check_kernel_shape(x.shape, w)
+        except ValueError:  # a shape the kernel cannot tile (e.g. N % 16): XLA's path still works
+            return dequant_dot_xla(x, w)
+    return quant_matmul_pallas(x, w, config=config, interpret=(mode == "interpret"))
