@@ -47,7 +47,8 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down):
         return routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down)
     from pallas_kernels.moe_matmul import routed_experts as kernel  # quantized experts
 
-    return kernel(x, expert_ids, expert_weights, w_gate_up, w_down)
+    impl = "reference" if x.dtype == jnp.float32 else None  # float32 runs stay exact (kernels use bf16 operands)
+    return kernel(x, expert_ids, expert_weights, w_gate_up, w_down, impl=impl)
 
 
 def moe_forward(p: dict, cfg: ModelConfig, u: jax.Array) -> jax.Array:
