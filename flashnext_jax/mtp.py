@@ -8,7 +8,6 @@ and reads logits through its own final mixer and the shared lm_head. Chained dra
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig

@@ -18,7 +18,6 @@ The flat view [num_slots * K1, Hv, Dk, Dv] (a free reshape) addresses row slot *
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -1,7 +1,6 @@
 """Gated delta rule: the chunked (WY) form and the recurrent form against a float64 numpy loop."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

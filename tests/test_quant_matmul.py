@@ -1,7 +1,6 @@
 """Quantized weight layout, the kernel switch, and the W{4,6,8}A16 dense Pallas kernel (interpret mode) vs the
 pure-JAX reference. Fresh random inputs each run (the seed is in every failure message); never zeros."""
 
-import dataclasses
 import os
 
 import jax
