@@ -63,3 +63,24 @@ def test_eval_shape_params_match_release_tensors():
         assert got == want, name
         checked += 1
     assert checked > 100
+
+
+def test_real_size_forward_and_mtp_trace_with_the_right_shapes():
+    """Trace (no allocation) one prefill step and the MTP head at the real config: catches real-shape bugs."""
+    from flashnext_jax.model import Batch, forward, init_state
+    from flashnext_jax.mtp import init_mtp_cache, mtp_forward
+
+    cfg = real_config()
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    state = jax.eval_shape(lambda: init_state(cfg, 2, 64, jnp.bfloat16))
+    spec = jax.ShapeDtypeStruct
+    batch = Batch(tokens=spec((2, 16), jnp.int32), start=spec((2,), jnp.int32), n_valid=spec((2,), jnp.int32),
+                  ple_rows=spec((1, 2, 16, cfg.ple_embed_dim), jnp.bfloat16))
+    logits, hyper, new_state = jax.eval_shape(lambda p, b, s: forward(p, cfg, b, s), params, batch, state)
+    assert logits.shape == (2, 16, cfg.vocab_size) and hyper.shape == (2, 16, cfg.hc_hidden_size)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), new_state) == jax.tree.map(lambda a: (a.shape, a.dtype), state)
+    assert new_state.gdn_rec.shape == (36, 2, 48, 128, 128) and new_state.gdn_rec.dtype == jnp.float32
+    cache = jax.eval_shape(lambda: init_mtp_cache(cfg, 2, 64, jnp.bfloat16))
+    draft, chained, _ = jax.eval_shape(lambda p, h, t, s, n, c: mtp_forward(p, cfg, h, t, s, n, c), params, hyper,
+                                       batch.tokens, batch.start, batch.n_valid, cache)
+    assert draft.shape == (2, 16, cfg.vocab_size) and chained.shape == hyper.shape
