@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     gen.add_argument("--stop-at-eos", action="store_true", help="stop early when EOS is generated")
     gen.set_defaults(func=_generate)
+    from serving.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,106 @@
+"""The OpenAI-compatible server: responses, streaming, and OpenAI-style 400 errors for bad input."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flashnext_jax.llm import LLM
+from serving.app import create_app
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64)
+    with TestClient(create_app(llm, "toy")) as c:
+        yield c
+
+
+def events(response) -> list:
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list" and data["data"][0]["id"] == "toy"
+
+
+def test_completion_and_its_stream_agree(client):
+    body = {"model": "toy", "prompt": "w3 w4 w5", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()
+    assert full["object"] == "text_completion" and full["choices"][0]["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == 6 and len(full["choices"][0]["token_ids"]) == 6
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        ev = events(r)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == full["choices"][0]["token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_token_id_prompt_and_seeded_sampling_are_reproducible(client):
+    body = {"prompt": [3, 4, 5], "max_tokens": 5, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    a = client.post("/v1/completions", json=body).json()
+    b = client.post("/v1/completions", json=body).json()
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+
+
+def test_chat_completion_and_stream(client):
+    body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    full = client.post("/v1/chat/completions", json=body).json()
+    assert full["object"] == "chat.completion" and full["choices"][0]["message"]["role"] == "assistant"
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        ev = events(r)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant"} and ev[-1] == "[DONE]"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in ev[1:-1])
+    assert text == full["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    "path, body, needle",
+    [
+        ("/v1/completions", {"prompt": "w3", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "w3", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "w3", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": ""}, "empty"),
+        ("/v1/completions", {"prompt": "w3", "model": "other"}, "not served"),
+        ("/v1/completions", {"prompt": " ".join(["w3"] * 5000), "max_tokens": 4}, "max_model_len"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "w3", "temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ],
+)
+def test_bad_input_is_a_400_with_an_openai_error_object(client, path, body, needle):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and needle in err["message"], err
+
+
+def test_server_still_serves_after_bad_requests(client):
+    client.post("/v1/completions", json={"prompt": "w3", "max_tokens": -5})
+    ok = client.post("/v1/completions", json={"prompt": "w3 w4", "max_tokens": 2, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_engine_fault_reaches_every_in_flight_request_as_a_500():
+    llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64)
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    llm.engine.step = broken_step
+    with TestClient(create_app(llm, "toy")) as c:
+        r = c.post("/v1/completions", json={"prompt": "w3 w4", "max_tokens": 3})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_error" and "device lost" in r.json()["error"]["message"]
