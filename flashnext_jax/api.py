@@ -35,8 +35,21 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 
 @partial(jax.jit, static_argnames=("cfg", "logits_last_only"), donate_argnames=("state",))
-def _step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only: bool):
+def _jit_step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only: bool):
     return forward(params, cfg, batch, state, logits_last_only=logits_last_only)
+
+
+_compiled: set = set()
+
+
+def _step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only: bool):
+    """The jitted step (state donated); logs when a new shape bucket is about to be compiled."""
+    key = (cfg, batch.tokens.shape, state.kv_k.shape[2], logits_last_only, str(state.gdn_conv.dtype))
+    if key not in _compiled:
+        _compiled.add(key)
+        log.info("compiling step for batch %s, cache length %d (once per bucket)", batch.tokens.shape,
+                 state.kv_k.shape[2])
+    return _jit_step(params, cfg, batch, state, logits_last_only)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -164,7 +177,9 @@ def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
     try:
         hf, stream, table, table_scale = read_checkpoint(str(path))
         cfg = from_hf_config(hf)
-        tensors = dict(stream)
+        from tqdm import tqdm
+
+        tensors = dict(tqdm(stream, desc=f"loading {path.name}", unit=" tensors", disable=None, leave=False))
     except ConvertError as e:
         raise CheckpointError(str(e)) from None
     buffers = {n: tensors.pop(n) for n in [n for n in tensors if n.endswith(PLE_BUFFERS)]}
