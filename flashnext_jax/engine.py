@@ -226,7 +226,9 @@ class Engine:
         return StepTicket(self.step_id, tuple(rows), B, T)
 
     def _build_batch(self, t: StepTicket) -> Batch:
-        B, T, MP = t.batch_size, t.num_tokens, self.max_pages_per_row
+        B, T = t.batch_size, t.num_tokens
+        ps = self.ledger.dims.page_size  # page-table width: a power-of-two bucket of the pages this step touches
+        MP = min(self.max_pages_per_row, _bucket(max(-(-(r.start + r.n) // ps) for r in t.rows)))
         slot = np.full(B, -1, np.int32)
         gen = np.zeros(B, np.int32)
         tokens = np.zeros((B, T), np.int32)
@@ -239,7 +241,7 @@ class Engine:
             slot[r.row], gen[r.row] = r.slot.slot, r.slot.gen
             tokens[r.row, : r.n] = r.tokens
             n_valid[r.row], start[r.row] = r.n, r.start
-            pt[r.row, : len(r.pages)] = r.pages
+            pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
             host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = {k: jnp.asarray(v) for k, v in self.runner.host_prepare(host_rows, T).items()}

@@ -22,20 +22,51 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def _delta_step(s, inputs):
+    """One token of the gated delta rule: (state, (q, k, v, g, beta)) -> (state, (out, state))."""
+    qt, kt, vt, gt, bt = inputs
+    s = s * jnp.exp(gt)[..., None, None]
+    kv_mem = jnp.einsum("bhkv,bhk->bhv", s, kt, precision="highest")
+    delta = (vt - kv_mem) * bt[..., None]
+    s = s + kt[..., :, None] * delta[..., None, :]
+    return s, (jnp.einsum("bhkv,bhk->bhv", s, qt, precision="highest"), s)
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state):
     """Sequential form. q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]; all fp32."""
 
     def step(s, inputs):
-        qt, kt, vt, gt, bt = inputs
-        s = s * jnp.exp(gt)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, kt, precision="highest")
-        delta = (vt - kv_mem) * bt[..., None]
-        s = s + kt[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision="highest")
+        s, (out, _) = _delta_step(s, inputs)
+        return s, out  # keep only the outputs: no per-token states in memory
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 1), state
+
+
+def delta_rule_recurrent_states(q, k, v, g, beta, state):
+    """`delta_rule_recurrent` that also returns the state after every token: (out, states [B, T, H, Dk, Dv])."""
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    _, (out, states) = jax.lax.scan(_delta_step, state, xs)
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def delta_rule_checkpoints(q, k, v, g, beta, state, base, k1: int):
+    """Delta rule over T tokens that also returns the states after tokens base .. base + k1 - 1 of each row.
+
+    Tokens before `base` [B] run through the usual rule (chunked for long rows), the k1 tail tokens recurrently from
+    that state, so the per-token states exist only for the tail. Needs base + k1 <= T. Returns (out [B, T, H, Dv],
+    states [B, k1, H, Dk, Dv]). Tokens past a row's valid length must already be identities (g = 0, beta = 0).
+    """
+    b, t = g.shape[:2]
+    head = (jnp.arange(t)[None, :] < base[:, None])[..., None]
+    rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
+    out, s_base = rule(q, k, v, jnp.where(head, g, 0.0), jnp.where(head, beta, 0.0), state)
+    idx = base[:, None] + jnp.arange(k1)[None, :]  # [B, k1], < T
+    take = lambda a: jnp.take_along_axis(a, idx.reshape(b, k1, *([1] * (a.ndim - 2))), axis=1)
+    out_t, states = delta_rule_recurrent_states(take(q), take(k), take(v), take(g), take(beta), s_base)
+    out = out.at[jnp.arange(b)[:, None], idx].set(out_t)
+    return out, states
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -97,10 +128,11 @@ def last_valid(x_full: jax.Array, n_valid: jax.Array, keep: int) -> jax.Array:
     return jnp.take_along_axis(x_full, idx[..., None], axis=1)
 
 
-def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_valid):
+def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_valid, ends=None):
     """One GDN layer. u [B, T, H]; conv_state [B, K-1, C]; rec_state [B, Hv, Dk, Dv] fp32; valid [B, T] bool.
 
-    Returns (y [B, T, H], new conv_state, new rec_state).
+    Returns (y [B, T, H], new conv_state, new rec_state). With `ends` [B, K1] (token counts base+1 .. base+K1, the
+    engine's checkpoint columns) the states come back per column: conv [B, K1, K-1, C], rec [B, K1, Hv, Dk, Dv].
     """
     bsz, t, _ = u.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -109,7 +141,10 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
 
     mixed = linear(u, p["in_proj_qkv"])
     x_full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
-    new_conv = last_valid(x_full, n_valid, kernel - 1)
+    if ends is None:
+        new_conv = last_valid(x_full, n_valid, kernel - 1)
+    else:
+        new_conv = jnp.stack([last_valid(x_full, ends[:, c], kernel - 1) for c in range(ends.shape[1])], axis=1)
     mixed = jax.nn.silu(causal_conv(x_full, p["conv1d"].astype(mixed.dtype), t))
 
     q = mixed[..., : hk * dk].reshape(bsz, t, hk, dk)
@@ -126,8 +161,11 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
     q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)
     k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), rep, axis=2)
     v = v.astype(jnp.float32)
-    rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
-    core, new_rec = rule(q, k, v, g, beta, rec_state)
+    if ends is None:
+        rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
+        core, new_rec = rule(q, k, v, g, beta, rec_state)
+    else:
+        core, new_rec = delta_rule_checkpoints(q, k, v, g, beta, rec_state, ends[:, 0] - 1, ends.shape[1])
 
     core = core.astype(u.dtype)
     out = gated_rms_norm(core, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)

@@ -46,17 +46,23 @@ def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Token
         return ToyRunner(cfg, max(k, 1)), tokenizer or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
     if hasattr(model, "store_spec") and hasattr(model, "step"):  # a ModelRunner instance
         return model, tokenizer
-    path = Path(model)
+    from . import api
+    from .runner import RealRunner
+
+    if isinstance(model, api.Model):  # an already loaded real model
+        tok = tokenizer or (Tokenizer.from_dir(model.path) if model.path is not None
+                            and (Path(model.path) / "tokenizer.json").is_file() else None)
+        return RealRunner(model, k), tok
+    path = Path(model) if model is not None else api.DEMO_MODEL  # None -> the embedded demo model
+    model = model if model is not None else str(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{model!r} is neither 'toy' nor a checkpoint directory")
     tok = tokenizer or (Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None)
     if (path / "toy_config.json").is_file():  # a toy checkpoint directory (tests, server smoke tests)
         cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
         return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
-    from . import api
-
     loaded = api.load(path, dtype=dtype)
-    runner = loaded.runner(num_speculative_tokens=k) if hasattr(loaded, "runner") else loaded
+    runner = RealRunner(loaded, k) if isinstance(loaded, api.Model) else loaded
     if not (hasattr(runner, "store_spec") and hasattr(runner, "step") and hasattr(runner, "host_prepare")):
         raise NotImplementedError(f"{type(loaded).__name__} does not implement the engine's ModelRunner protocol "
                                   "yet (store_spec / host_prepare / step; see docs/engine-design.md)")

@@ -110,8 +110,10 @@ def gather_rows(table, ids: np.ndarray, scale: float | None = None) -> np.ndarra
     return flat.reshape(*ids.shape[:-1], -1)
 
 
-def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid):
-    """X [B, T, S*H] -> (PLE(X) [B, T, S*H], new conv state [B, 9, S*H]). rows [B, T, E] gathered on the host."""
+def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid, ends=None):
+    """X [B, T, S*H] -> (PLE(X) [B, T, S*H], new conv state [B, 9, S*H]). rows [B, T, E] gathered on the host.
+
+    With `ends` [B, K1] (token counts) the conv state comes back per checkpoint column: [B, K1, 9, S*H]."""
     s, h = cfg.hc_count, cfg.hidden_size
     bsz, t, _ = x.shape
     e = rows.astype(x.dtype)
@@ -126,6 +128,10 @@ def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid):
     gated_normed = jnp.where(valid[..., None], gated_normed, 0)
 
     x_full = jnp.concatenate([conv_state.astype(x.dtype), gated_normed], axis=1)
-    new_state = last_valid(x_full, n_valid, cfg.ple_conv_state_len)
+    if ends is None:
+        new_state = last_valid(x_full, n_valid, cfg.ple_conv_state_len)
+    else:
+        new_state = jnp.stack([last_valid(x_full, ends[:, c], cfg.ple_conv_state_len) for c in range(ends.shape[1])],
+                              axis=1)
     conv = causal_conv(x_full, p["conv1d"].astype(x.dtype), t, dilation=cfg.ple_conv_dilation)
     return gated + jax.nn.silu(conv), new_state

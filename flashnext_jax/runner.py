@@ -1,0 +1,221 @@
+"""The real model behind the engine's ModelRunner protocol (docs/engine-design.md, section 5).
+
+`RealRunner(model, num_speculative_tokens)` wraps a loaded `api.Model`. Its pure `step` gathers each live row's
+state through the `state_store` helpers (slot id -> committed column, page table -> per-token K/V/index entries),
+builds the dense per-row layout `model.forward` uses (KV length = the step's page-table width, a power-of-two
+bucket), runs the decoder layers with checkpoint columns (GDN recurrent/conv, PLE conv and n-gram context, the MTP
+hyper input after each of the last K1 = k + 1 row tokens), scatters the new tokens' K/V/index entries back into the
+row's pages and the columns into the row's slot, and returns target logits and MTP draft logits at the tail.
+
+MTP bookkeeping (one position behind the main model): the MTP cache entry of pair (h_{q-1}, e_q) is computed at
+RoPE position q-1 (exactly as `Model.mtp_logits`) but stored at page position q, so every write stays inside the
+row's own range [start, start + n); the dense MTP cache is the paged one shifted by one position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import GDN
+from .hyper import hyper_read, hyper_write
+from .model import embed, final_logits
+from .moe import moe_forward
+from .mtp import mtp_forward
+from .gdn import gdn_forward
+from .ple import gather_rows, ple_forward
+from .qsa import qsa_forward
+from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
+
+
+def _take_tokens(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """a [B, T, ...], idx [B, J] -> a[b, idx[b, j]] [B, J, ...]."""
+    return jnp.take_along_axis(a, idx.reshape(*idx.shape, *([1] * (a.ndim - 2))), axis=1)
+
+
+class RealRunner:
+    """ModelRunner for Qwen3.8-Flash-Next (`api.Model`). k = MTP draft tokens per step (0 = no MTP work at all)."""
+
+    def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None):
+        cfg = model.cfg
+        if num_speculative_tokens and not model.has_mtp:
+            raise ValueError("speculative decoding needs MTP tensors; this checkpoint has none")
+        if num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        self.model, self.cfg = model, cfg
+        self.k = int(num_speculative_tokens)
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = int(cfg.eos_token_id)
+        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        self.dtype = model.dtype
+        self.params = model.params  # the n-gram table stays on the host (host_prepare gathers rows)
+        self.hasher = model.hasher
+        self.n_gdn, self.n_qsa, self.n_ple = len(cfg.gdn_layers), len(cfg.qsa_layers), len(cfg.ple_layers)
+        self._ple_width = None
+
+    # ---- protocol: what a request needs
+    def store_spec(self) -> StoreSpec:
+        c, dt = self.cfg, self.dtype
+        kv, hd, di = c.num_key_value_heads, c.head_dim, c.indexer_head_dim or 1
+        sh = c.hc_count * c.hidden_size
+        slot = {
+            "gdn_rec": Leaf((self.n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                            jnp.float32, 0),
+            "gdn_conv": Leaf((self.n_gdn, c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dt, 0),
+        }
+        page = {"qsa_k": Leaf((self.n_qsa, kv, hd), dt), "qsa_v": Leaf((self.n_qsa, kv, hd), dt),
+                "qsa_index": Leaf((self.n_qsa, di), dt)}
+        if self.n_ple:
+            slot["ple_ctx"] = Leaf((self.hasher.context_len,), jnp.int32, self.eos_token_id)
+            slot["ple_conv"] = Leaf((self.n_ple, c.ple_conv_state_len, sh), dt, 0)
+        if self.k:
+            slot["mtp_h"] = Leaf((sh,), dt, 0)
+            page.update(mtp_k=Leaf((kv, hd), dt), mtp_v=Leaf((kv, hd), dt), mtp_index=Leaf((di,), dt))
+        return StoreSpec(slot=slot, page=page)
+
+    # ---- protocol: host side (PLE n-gram rows; the table never enters the jitted params)
+    def host_prepare(self, rows, T: int) -> dict[str, np.ndarray]:
+        if not self.n_ple:
+            return {}
+        h = self.hasher
+        out = None
+        for b, row in enumerate(rows):
+            if row is None or not len(row.tokens):
+                continue
+            hist = np.asarray(row.history[-h.context_len:], np.int64)
+            ctx = np.concatenate([h.initial_context()[: h.context_len - len(hist)], hist])
+            g = gather_rows(self.model.table, h.ids(ctx, np.asarray(row.tokens, np.int64)), self.model.table_scale)
+            if out is None:
+                out = np.zeros((len(rows), T, g.shape[-1]), g.dtype)
+            out[b, : len(row.tokens)] = g
+        if out is None:
+            width = self._ple_width or gather_rows(self.model.table, np.zeros((1, self.cfg.ngram_heads), np.int64),
+                                                   self.model.table_scale).shape[-1]
+            out = np.zeros((len(rows), T, width), np.float32)
+        self._ple_width = out.shape[-1]
+        return {"ple_rows": out}
+
+    # ---- protocol: the pure step
+    def step(self, params, store, batch):
+        cfg, k, dt = self.cfg, self.k, self.dtype
+        B, T = batch.tokens.shape
+        K1 = next(iter(store.slot.values())).shape[1]
+        live = live_rows(store, batch.slot, batch.gen)
+        st = read_slots(store, batch.slot, live)
+        n_valid, start, tokens = batch.n_valid, batch.start, batch.tokens
+        base = jnp.maximum(n_valid - K1, 0)
+        ends = base[:, None] + 1 + jnp.arange(K1)[None, :]  # tokens folded after column c
+        tail = jnp.minimum(ends - 1, T - 1)  # [B, K1] row offsets of the tail tokens
+        positions = start[:, None] + jnp.arange(T)[None, :]
+        valid = jnp.arange(T)[None, :] < n_valid[:, None]
+        wvalid = valid & live[:, None]
+
+        ratio = cfg.indexer_compress_ratio or 1
+
+        def dense(name):  # paged per-token entries -> [B, L, ...] (L a multiple of the QSA block ratio)
+            a = read_pages(store, name, batch.page_table)
+            pad = (-a.shape[1]) % ratio
+            return jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) if pad else a
+
+        kv_k, kv_v, kv_i = (jnp.moveaxis(dense(n), 2, 0) for n in ("qsa_k", "qsa_v", "qsa_index"))
+        L = kv_k.shape[2]
+        qpos = jnp.minimum(positions, L - 1)
+
+        # ---- decoder layers with checkpoint columns
+        x = jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
+        gdn_i = qsa_i = ple_i = 0
+        rec_cols, conv_cols, ple_cols, new_kv = [], [], [], []
+        for layer, lp in enumerate(params["layers"]):
+            if "ple" in lp:
+                rows = batch.host["ple_rows"].astype(dt)
+                delta, pc = ple_forward(lp["ple"], cfg, x, rows, st["ple_conv"][:, ple_i], valid, n_valid, ends)
+                x = x + delta
+                ple_cols.append(pc)
+                ple_i += 1
+            u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
+            if cfg.layer_types[layer] == GDN:
+                y, conv, rec = gdn_forward(lp["linear_attn"], cfg, u, st["gdn_conv"][:, gdn_i], st["gdn_rec"][:, gdn_i],
+                                           valid, n_valid, ends)
+                conv_cols.append(conv)
+                rec_cols.append(rec)
+                gdn_i += 1
+            else:
+                cache = (kv_k[qsa_i], kv_v[qsa_i], kv_i[qsa_i])
+                y, (kk, vv, ii) = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache)
+                new_kv.append(tuple(_take_tokens(a, qpos) for a in (kk, vv, ii)))
+                qsa_i += 1
+            x = hyper_write(x, y, gains)
+            u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
+            x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
+        hyper = x  # [B, T, S*H] pre-final-mixer
+
+        cols = {"gdn_rec": jnp.stack(rec_cols, 2), "gdn_conv": jnp.stack(conv_cols, 2)}
+        if self.n_ple:
+            cols["ple_conv"] = jnp.stack(ple_cols, 2)
+            c = self.hasher.context_len
+            hist = jnp.concatenate([st["ple_ctx"], tokens], axis=1)  # [B, c + T]
+            cols["ple_ctx"] = jnp.stack([_take_tokens(hist, ends + j) for j in range(c)], axis=-1)  # last c ids
+        h_tail = _take_tokens(hyper, tail)  # [B, K1, S*H]
+        logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
+
+        for name, j in (("qsa_k", 0), ("qsa_v", 1), ("qsa_index", 2)):
+            store = write_pages(store, name, batch.page_table, positions, wvalid, jnp.stack([e[j] for e in new_kv], 2))
+
+        if k:
+            cols["mtp_h"] = h_tail
+            store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L)
+        else:
+            dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
+        store = write_slots(store, batch.slot, live, cols)
+        return store, {"logits": logits, "draft_logits": dlogits}
+
+    def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L):
+        """MTP: fold this step's pairs (h_{q-1}, e_q) into the MTP cache (page position q, RoPE position q - 1) and
+        draft k tokens after each tail column without writing the cache."""
+        cfg, k = self.cfg, self.k
+        B, T = batch.tokens.shape
+        K1 = tail.shape[1]
+        start, n_valid, tokens = batch.start, batch.n_valid, batch.tokens
+        off = (start == 0).astype(jnp.int32)  # position 0 has no predecessor: its pair does not exist
+        j = jnp.arange(T)[None, :]
+        q = start[:, None] + off[:, None] + j  # input token position of pair j
+        n_pairs = jnp.maximum(n_valid - off, 0)
+        pvalid = j < n_pairs[:, None]
+        prev = jnp.concatenate([mtp_h[:, None], hyper], axis=1)  # prev[:, i] = h at position start - 1 + i
+        h_prev = _take_tokens(prev, jnp.minimum(q - start[:, None], T))
+        e_tok = _take_tokens(tokens, jnp.minimum(q - start[:, None], T - 1))
+        ratio = cfg.indexer_compress_ratio or 1
+
+        length = -(-(L + k) // ratio) * ratio  # room for the chained draft keys past the last page position
+
+        def dense(name):  # dense[i] = paged[i + 1]
+            a = read_pages(store, name, batch.page_table)[:, 1:]
+            pad = length - a.shape[1]
+            return jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+
+        cache = tuple(dense(n) for n in ("mtp_k", "mtp_v", "mtp_index"))
+        ref_start = start + off - 1
+        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs, cache)
+        rpos = jnp.clip(q - 1, 0, cache[0].shape[1] - 1)
+        wvalid = pvalid & live[:, None]
+        for name, a in zip(("mtp_k", "mtp_v", "mtp_index"), cache):
+            store = write_pages(store, name, batch.page_table, q, wvalid, _take_tokens(a, rpos))
+
+        # drafts: column c = MTP(h at tail token, e(argmax)) at the tail token's position, chained k times
+        out = []
+        one = jnp.ones((B,), jnp.int32)
+        for c in range(K1):
+            h = h_tail[:, c][:, None]
+            pos = start + tail[:, c]
+            y = jnp.argmax(logits[:, c], axis=-1).astype(jnp.int32)
+            cc, col = cache, []
+            for i in range(k):
+                dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc)
+                col.append(dl[:, 0])
+                y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
+            out.append(jnp.stack(col, 1))
+        return store, jnp.stack(out, 1)  # [B, K1, k, V]
+
+
+__all__ = ["RealRunner"]

@@ -1,0 +1,321 @@
+"""The engine running the REAL model (the embedded demo model in float32) through `flashnext_jax.runner.RealRunner`.
+
+Oracle everywhere: each greedy request's tokens equal `Model.generate` run solo (an independent code path: dense
+per-request state, no store, no pages, no scheduler). All tests share two runners (k = 0 and k = 1) and fixed shape
+buckets so the jitted step compiles a handful of times per session.
+"""
+
+import random
+import time
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+
+import flashnext_jax as fj
+from flashnext_jax.engine import Engine, EngineConfig
+from flashnext_jax.runner import RealRunner
+
+MAX_LEN = 64
+PAGE = 8
+SHAPES = dict(min_batch_bucket=4, min_token_bucket=8, min_pool_capacity=(4, 64, 64))  # share compiled steps
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+_STATE: dict = {}
+STEPS = {"n": 0}
+COVER: dict = {}  # machine coverage: preemptions, prefix hits, accepted/rejected drafts, aborts, eos finishes
+
+
+def model():
+    if "model" not in _STATE:
+        m = fj.load(dtype="float32")
+        _STATE.update(model=m, runners={0: RealRunner(m, 0), 1: RealRunner(m, 1)}, solo={})
+    return _STATE["model"]
+
+
+def runner(k):
+    model()
+    return _STATE["runners"][k]
+
+
+def solo(prompt, max_tokens, stop_at_eos=False):
+    """Model.generate run alone (cached); stops at max_model_len like the engine."""
+    key = (tuple(prompt), max_tokens, stop_at_eos)
+    cache = model() and _STATE["solo"]
+    if key not in cache:
+        n = min(max_tokens, MAX_LEN - len(prompt))
+        cache[key] = _STATE["model"].generate(list(prompt), n, stop_at_eos=stop_at_eos)
+    return cache[key]
+
+
+def llm(k=0, **kw):
+    kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("page_size", PAGE)
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    return fj.LLM(runner(k), speculative_config=spec, **SHAPES, **kw)
+
+
+RNG = random.Random(7)
+PROMPTS = [[RNG.randrange(1, 509) for _ in range(n)] for n in (13, 5, 16, 9)]
+
+
+def gen(lm, prompts, max_tokens=10):
+    return lm.generate(prompts, fj.SamplingParams(max_tokens=max_tokens, **GREEDY))
+
+
+def test_llm_generate_equals_solo_with_chunked_prefill_sharing_steps():
+    lm = llm(0, max_num_seqs=3, max_num_batched_tokens=5)
+    outs = gen(lm, PROMPTS)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == solo(p, 10), o.request_id
+        assert o.finish_reason == "length"
+    assert lm.engine.counters["steps"] > 10
+
+
+def test_greedy_mtp_equals_no_mtp_with_acceptance_counters():
+    base = [o.token_ids for o in gen(llm(0, max_num_seqs=2, max_num_batched_tokens=6), PROMPTS)]
+    lm = llm(1, max_num_seqs=2, max_num_batched_tokens=6)
+    outs = gen(lm, PROMPTS)
+    assert [o.token_ids for o in outs] == base
+    m = outs[0].metrics
+    assert m["num_drafts"] > 0 and m["acceptance_rate"] is not None  # the demo MTP head is untrained: ~0 accepted
+    assert lm.engine.counters["drafts"] == sum(o.metrics["num_drafts"] for o in outs)
+
+    # drafts forced right 70% of the time (a draft hook keyed by request/output index): accepted 2-token steps,
+    # rejected drafts (rollback by checkpoint column) and the output still equals the non-MTP output
+    lm = llm(1, max_num_seqs=2, max_num_batched_tokens=6)
+    proposals = []
+
+    def hook(req, proposed):
+        j = len(req.output)
+        proposals.append((tuple(req.tokens), list(proposed)))
+        ref = solo(req.prompt, 10)
+        r = random.Random(zlib.crc32(f"{req.request_id}/{j}".encode()))
+        return [ref[j] if j < len(ref) and r.random() < 0.7 else (proposed[0] + 1) % 509]
+
+    lm.engine.draft_hook = hook
+    outs = gen(lm, PROMPTS)
+    assert [o.token_ids for o in outs] == base
+    c = lm.engine.counters
+    assert 0 < c["accepted"] < c["drafts"], c
+    assert c["steps"] < sum(len(p) for p in PROMPTS) + sum(len(b) for b in base)  # fewer steps than tokens
+    # the MTP head's drafts are the teacher-forced MTP argmax (Model.mtp_logits) at the same position
+    m = model()
+    for tokens, proposed in proposals[:4]:
+        ref = m.mtp_logits(list(tokens))[-1]
+        assert ref[proposed[0]] >= ref.max() - 1e-4, (tokens, proposed, int(ref.argmax()))
+
+
+@pytest.mark.parametrize("shared", [8, 10])  # prefix ends on the block grid (8) and off it (10 -> hit at 8)
+def test_prefix_cache_hit_equals_cold(shared):
+    first = PROMPTS[0] + PROMPTS[1][:3]  # 16 tokens
+    second = first[:shared] + [17, 33, 250, 12][: 16 - shared]
+    lm = llm(1, max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4)
+    a = gen(lm, [first])[0]
+    b = gen(lm, [second])[0]
+    assert b.metrics["num_cached_tokens"] >= 8
+    assert a.token_ids == solo(first, 10)
+    assert b.token_ids == solo(second, 10)
+    cold = gen(llm(1, max_num_seqs=2, max_num_batched_tokens=8), [second])[0]
+    assert cold.metrics["num_cached_tokens"] == 0 and cold.token_ids == b.token_ids
+
+
+def test_chunked_prefill_equals_one_shot():
+    p = PROMPTS[2]
+    one = gen(llm(0, max_num_seqs=1, max_num_batched_tokens=32), [p])[0]
+    chunked = gen(llm(0, max_num_seqs=1, max_num_batched_tokens=3), [p])[0]
+    assert one.token_ids == chunked.token_ids == solo(p, 10)
+
+
+def test_pipeline_delay_and_row_permutation_do_not_change_output():
+    ref = [o.token_ids for o in gen(llm(1, max_num_seqs=3, max_num_batched_tokens=6), PROMPTS)]
+    outs = gen(llm(1, max_num_seqs=3, max_num_batched_tokens=6, pipeline_delay=3, permute_rows=5), PROMPTS)
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_seeded_sampling_with_mtp_is_independent_of_batch_composition():
+    sp = fj.SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=8, seed=11, ignore_eos=True)
+    alone = llm(1, max_num_seqs=1, max_num_batched_tokens=8).generate([PROMPTS[0]], sp)[0]
+    mixed = llm(1, max_num_seqs=3, max_num_batched_tokens=6, pipeline_delay=2, permute_rows=1).generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[3]], [fj.SamplingParams(max_tokens=8, seed=3, temperature=1.0), sp,
+                                               fj.SamplingParams(max_tokens=5, **GREEDY)])[1]
+    assert mixed.token_ids == alone.token_ids and len(alone.token_ids) == 8
+
+
+def test_bad_inputs_raise_clear_errors():
+    lm = llm(0, max_num_seqs=2, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        gen(lm, [list(range(1, MAX_LEN + 1))])
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen(lm, [[]])
+    with pytest.raises(ValueError, match="outside vocab"):
+        gen(lm, [[1, 512]])
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(max_tokens=0), dict(min_p=2.0)):
+        with pytest.raises(ValueError, match="SamplingParams"):
+            fj.SamplingParams(**bad)
+    with pytest.raises(ValueError, match="drafts at most 0 tokens"):
+        fj.LLM(runner(0), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    # the engine still works after rejected requests
+    assert gen(lm, [PROMPTS[1]], 3)[0].token_ids == solo(PROMPTS[1], 10)[:3]
+
+
+def test_llm_from_checkpoint_path_builds_the_real_runner():
+    lm = fj.LLM(str(fj.DEMO_MODEL), dtype="float32", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=MAX_LEN,
+                page_size=PAGE, **SHAPES)
+    assert isinstance(lm.runner, RealRunner) and lm.tokenizer is not None
+    out = lm.generate("hello world", fj.SamplingParams(max_tokens=4, **GREEDY))[0]
+    ids = lm.tokenizer.encode("hello world")
+    assert out.prompt_token_ids == ids and out.token_ids == solo(ids, 4)
+    assert isinstance(out.text, str)
+    assert isinstance(fj.LLM(None, dtype="float32", max_model_len=MAX_LEN).runner, RealRunner)  # None -> demo
+
+
+def test_poisoned_state_faults_visibly():
+    lm = llm(0, max_num_seqs=2, max_num_batched_tokens=8)
+    eng = lm.engine
+    eng.add_request("a", PROMPTS[0], fj.SamplingParams(max_tokens=10, **GREEDY))
+    eng.step()
+    eng.ledger.flush()
+    import dataclasses as dc
+    s = eng.requests["a"].slot.slot
+    st_ = eng.ledger.store
+    eng.ledger.store = dc.replace(st_, slot={n: (a.at[s].set(jnp_nan(a)) if n == "gdn_rec" else a)
+                                             for n, a in st_.slot.items()})
+    with pytest.raises(FloatingPointError):
+        for _ in range(5):
+            eng.step()
+    assert eng.requests["a"].finish_reason == "error"
+
+
+def jnp_nan(a):
+    return np.float32("nan")
+
+
+# ------------------------------------------------------------------------------ hypothesis state machine
+
+
+class Harness:
+    def __init__(self, D, slots, budget, prefix, block, seed, tight, accept_p):
+        self.rng = random.Random(seed)
+        mml = 32  # prompts <= 21 + outputs <= 10 always fit; a short max_model_len allows a 4-page pool
+        mp = mml // PAGE
+        pages = mp if tight else mp * slots + mp  # tight: 4 pages for up to 3 requests of <= 4 pages -> preemption
+        self.accept_p, self.seed = accept_p, seed
+        self.eng = Engine(runner(1), EngineConfig(
+            max_num_seqs=slots, num_slots=slots, max_num_batched_tokens=budget, max_model_len=mml,
+            num_speculative_tokens=1, enable_prefix_caching=prefix, block_size=block, page_size=PAGE,
+            num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, **SHAPES), draft_hook=self.hook)
+        self.block = block
+        self.corpus = [[self.rng.randrange(1, 509) for _ in range(24)] for _ in range(2)]
+        self.solo: dict[str, list[int]] = {}
+        self.aborted: set[str] = set()
+        self.n = 0
+
+    def hook(self, req, proposed):
+        j = len(req.output)
+        ref = self.solo[req.request_id]
+        r = random.Random(zlib.crc32(f"{self.seed}/{req.request_id}/{j}".encode()))
+        right = ref[j] if j < len(ref) else proposed[0]
+        return [right if r.random() < self.accept_p else (right + 1 + r.randrange(3)) % 509]
+
+    def add(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
+        n = max(1, min(21, self.block * m + delta))
+        p = list(self.corpus[corpus][:n])
+        if mutate:
+            p[-1] = (p[-1] + 1) % 509
+        rid = f"r{self.n}"
+        self.n += 1
+        self.solo[rid] = solo(p, max_tokens, stop_at_eos=not ignore_eos)
+        self.eng.add_request(rid, p, fj.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                       ignore_eos=ignore_eos))
+
+    def step(self):
+        before = self.eng.counters["steps"]
+        self.eng.step()
+        STEPS["n"] += self.eng.counters["steps"] - before
+        for rid, req in self.eng.requests.items():
+            assert req.finish_reason != "error", req.error
+            assert req.output == self.solo[rid][: len(req.output)], f"{rid} diverged from its solo run"
+
+    def abort_some(self, i):
+        live = [r for r in self.eng.requests.values() if not r.finished]
+        if live:
+            r = live[i % len(live)]
+            self.aborted.add(r.request_id)
+            self.eng.abort(r.request_id)
+
+    def drain(self, limit=3000):
+        for _ in range(limit):
+            if not self.eng.has_unfinished():
+                break
+            self.step()
+        assert not self.eng.has_unfinished(), "engine did not drain"
+        for rid, req in self.eng.requests.items():
+            if rid not in self.aborted:
+                assert req.output == self.solo[rid], f"{rid}: {req.output} != solo {self.solo[rid]}"
+            m = req.metrics
+            for key, hit in (("preempted", m["num_preemptions"] > 0), ("prefix_hit", m["num_cached_tokens"] > 0),
+                             ("accepted", m["num_accepted"] > 0), ("rejected", m["num_accepted"] < m["num_drafts"]),
+                             ("aborted", rid in self.aborted), ("eos", req.finish_reason == "stop")):
+                COVER[key] = COVER.get(key, 0) + hit
+        led = self.eng.ledger
+        led.flush()
+        store = led.store
+        assert led.usage()["slots_used"] == 0
+        for s in list(led.free_slots) + [store.num_slots]:  # freed and null slots stay poisoned
+            assert np.all(np.isnan(np.asarray(store.slot["gdn_rec"][s])))
+        for p in led.free_pages:
+            assert np.all(np.isnan(np.asarray(store.page["qsa_k"][p])))
+
+
+class RealEngineMachine(RuleBasedStateMachine):
+    @initialize(D=st.integers(0, 3), slots=st.sampled_from([1, 2, 3, 3]), budget=st.integers(2, 8),
+                prefix=st.booleans(), block=st.integers(2, 5), seed=st.integers(0, 2**16),
+                tight=st.sampled_from([False, True, True]),
+                accept_p=st.sampled_from([0.0, 0.5, 0.9]))
+    def setup(self, D, slots, budget, prefix, block, seed, tight, accept_p):
+        self.h = Harness(D, slots, budget, prefix, block, seed, tight, accept_p)
+
+    @rule(m=st.integers(0, 5), delta=st.sampled_from([-1, 0, 0, 1]), corpus=st.integers(0, 1),
+          mutate=st.booleans(), max_tokens=st.integers(1, 10), ignore_eos=st.booleans())
+    def arrive(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
+        self.h.add(m, delta, corpus, mutate, max_tokens, ignore_eos)
+
+    @precondition(lambda self: hasattr(self, "h"))
+    @rule(n=st.integers(1, 4))
+    def run(self, n):
+        for _ in range(n):
+            self.h.step()
+
+    @precondition(lambda self: hasattr(self, "h"))
+    @rule(i=st.integers(0, 7))
+    def abort(self, i):
+        self.h.abort_some(i)
+
+    def teardown(self):
+        if hasattr(self, "h"):
+            self.h.drain()
+
+
+def _machine(examples, steps, derandomize=False):
+    run_state_machine_as_test(RealEngineMachine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None, database=None, derandomize=derandomize,
+        suppress_health_check=list(HealthCheck)))
+
+
+def test_real_engine_machine_short():
+    start = STEPS["n"]
+    _machine(90, 30, derandomize=True)  # reproducible default run; the slow one draws fresh examples
+    print(f"real-model machine: {STEPS['n'] - start} launched engine steps, coverage {COVER}")
+    assert all(COVER.get(k, 0) > 0 for k in ("preempted", "prefix_hit", "accepted", "rejected", "aborted")), COVER
+    assert STEPS["n"] - start >= 2000, STEPS["n"] - start
+
+
+@pytest.mark.slow
+def test_real_engine_machine_long():
+    start = STEPS["n"]
+    _machine(150, 40)
+    print(f"real-model machine: {STEPS['n'] - start} launched engine steps")
+    assert STEPS["n"] - start >= 6000

@@ -1,0 +1,29 @@
+"""Execute examples/quickstart.ipynb end to end (nbclient) so it never rots."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    # kernel "python3" = the interpreter running the tests (a kernelspec in a private JUPYTER_PATH takes priority)
+    spec_dir = tmp_path / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    NotebookClient(nb, kernel_name="python3", timeout=600,
+                   resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "acceptance" in outputs and "bytes/slot" in outputs and "drained" in outputs
