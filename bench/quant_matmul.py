@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant_layout import QuantizedWeight, pack
+from pallas_kernels.quant_layout import QuantizedWeight
 from pallas_kernels.quant_matmul import (DECODE_MAX_M, DenseConfig, default_config, dequant_dot_xla,
                                          quant_matmul_pallas)
 from pallas_kernels.moe_matmul import MoEConfig, routed_experts_pallas

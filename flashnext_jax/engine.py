@@ -18,7 +18,7 @@ import numpy as np
 
 from . import sampling
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
-from .state_store import StaleWrite, StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
+from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .tickets import RowTicket, StepTicket
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 

@@ -6,7 +6,6 @@ buckets so the jitted step compiles a handful of times per session.
 """
 
 import random
-import time
 import zlib
 
 import numpy as np

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).parents[1]
