@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from .config import ModelConfig, from_hf_config
 from .model import Batch, State, forward, init_state
@@ -177,8 +178,6 @@ def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
     try:
         hf, stream, table, table_scale = read_checkpoint(str(path))
         cfg = from_hf_config(hf)
-        from tqdm import tqdm
-
         tensors = dict(tqdm(stream, desc=f"loading {path.name}", unit=" tensors", disable=None, leave=False))
     except ConvertError as e:
         raise CheckpointError(str(e)) from None

@@ -48,15 +48,17 @@ def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Token
     from . import api
     from .runner import RealRunner
 
+    def dir_tokenizer(path) -> Tokenizer | None:
+        if tokenizer is not None or path is None or not (Path(path) / "tokenizer.json").is_file():
+            return tokenizer
+        return Tokenizer.from_dir(Path(path))
+
     if isinstance(model, api.Model):  # an already loaded real model
-        tok = tokenizer or (Tokenizer.from_dir(model.path) if model.path is not None
-                            and (Path(model.path) / "tokenizer.json").is_file() else None)
-        return RealRunner(model, k), tok
+        return RealRunner(model, k), dir_tokenizer(model.path)
     path = Path(model) if model is not None else api.DEMO_MODEL  # None -> the embedded demo model
-    model = model if model is not None else str(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{model!r} is neither 'toy' nor a checkpoint directory")
-    tok = tokenizer or (Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None)
+        raise FileNotFoundError(f"{str(path)!r} is neither 'toy' nor a checkpoint directory")
+    tok = dir_tokenizer(path)
     if (path / "toy_config.json").is_file():  # a toy checkpoint directory (tests, server smoke tests)
         cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
         return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)

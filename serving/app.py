@@ -8,6 +8,7 @@ returned to every in-flight request (HTTP 500, or an error event in a stream) an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,13 +47,11 @@ class _Sampling(BaseModel):
     stream: bool = False
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
-                            default_max_tokens))
+        """The request's sampling fields, by name, into SamplingParams (which validates them)."""
+        fields = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields)
+        max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
+                          default_max_tokens)
+        return SamplingParams(**(self.model_dump(include=fields) | {"max_tokens": max_tokens}))
 
 
 class CompletionRequest(_Sampling):
@@ -112,21 +111,15 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, default_max
             raise ValueError(f"model {name!r} is not served here (this server serves {model_name!r})")
 
     async def outputs(prompt, params: SamplingParams) -> AsyncIterator[Any]:
-        stream = llm.stream(prompt, params)
+        """The request's outputs; a ValueError before the first one is bad input (400), anything else a fault."""
+        started = False
         try:
-            first = await stream.__anext__()  # bad input surfaces here, before any byte is sent
-        except StopAsyncIteration:
-            return
-        except ValueError:
-            raise
-        except Exception as e:
-            fault(repr(e))
-            raise _Fault(f"engine fault: {e!r}") from None
-        yield first
-        try:
-            async for out in stream:
+            async for out in llm.stream(prompt, params):
+                started = True
                 yield out
         except Exception as e:
+            if isinstance(e, ValueError) and not started:
+                raise
             fault(repr(e))
             raise _Fault(f"engine fault: {e!r}") from None
 
