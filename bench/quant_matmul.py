@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quant_layout import QuantizedWeight
-from pallas_kernels.quant_matmul import (DECODE_MAX_M, DenseConfig, default_config, dequant_dot_xla,
-                                         quant_matmul_pallas)
-from pallas_kernels.moe_matmul import MoEConfig, routed_experts_pallas
+from pallas_kernels.quant_matmul import (DECODE_MAX_M, DenseConfig, default_config, default_gemv_config,
+                                         dequant_dot_xla, dispatch_path, quant_matmul_gemv, quant_matmul_pallas)
+from pallas_kernels.moe_matmul import MOE_GEMV_MAX_PAIRS, MoEConfig, routed_experts_gemv, routed_experts_pallas
 
 DENSE_SHAPES = [  # name, K, N, bits, group
     ("gdn_in_proj_qkv", 2560, 10240, 6, 64),
@@ -141,10 +141,16 @@ def bench_dense(name, k, n, bits, group, m, copy_bw, cfg=None, baselines=True, m
     r = int(min(max_rotate, max(2, math.ceil(ROTATE_BYTES / wbytes))))
     ws = [random_qweight(jax.random.fold_in(key, i), (), k, n, bits, group) for i in range(r)]
     xs = jax.random.normal(jax.random.fold_in(key, 999), (r, m, k), jnp.float32).astype(jnp.bfloat16)
-    cfg = cfg or default_config(m, k, n, bits, group)
-    f = jax.jit(lambda xs, ws: [quant_matmul_pallas(xs[i], ws[i], config=cfg) for i in range(r)])
+    path = dispatch_path((m, k), w1)
+    if path == "gemv":  # what quant_matmul(path="auto") runs at this M
+        cfg = cfg or default_gemv_config(m, k, n, bits, group)
+        f = jax.jit(lambda xs, ws: [quant_matmul_gemv(xs[i], ws[i], config=cfg) for i in range(r)])
+    else:  # the tensor-core kernel (for M > DECODE_MAX_M it is the kernel's own tiling, reported beside XLA's)
+        path = "kernel"
+        cfg = cfg or default_config(m, k, n, bits, group)
+        f = jax.jit(lambda xs, ws: [quant_matmul_pallas(xs[i], ws[i], config=cfg) for i in range(r)])
     t, t_wall, top = measure(f, xs, ws, n_calls=r)
-    row = dict(kind="dense", name=name, K=k, N=n, bits=bits, group=group, M=m, rotate=r,
+    row = dict(kind="dense", name=name, K=k, N=n, bits=bits, group=group, M=m, rotate=r, kernel_path=path,
                us=t * 1e6, us_wall=t_wall * 1e6, kernels_us=top, source_bytes=wbytes, bytes_per_s=wbytes / t, frac_copy_bw=wbytes / t / copy_bw,
                tflops=2 * m * k * n / t / 1e12, config=cfg.__dict__)
     if baselines:
@@ -181,16 +187,23 @@ def bench_moe(m, copy_bw, cfg=None):
     ids = jnp.stack([a for a, _ in routes])
     wts = jnp.stack([b for _, b in routes])
     xs = jax.random.normal(jax.random.fold_in(key, 3), (r, m, h), jnp.float32).astype(jnp.bfloat16)
-    cfg = cfg or MoEConfig()
-    f = jax.jit(lambda xs, ids, wts, wgu, wd: [
-        routed_experts_pallas(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
+    path = "gemv" if (cfg is None and m * k <= MOE_GEMV_MAX_PAIRS) else "sorted_tiles"
+    if path == "gemv":  # what routed_experts(path="auto") runs for this many routed pairs
+        f = jax.jit(lambda xs, ids, wts, wgu, wd: [
+            routed_experts_gemv(xs[j], ids[j], wts[j], wgu, wd) for j in range(r)])
+        cfg_desc = {"path": "gemv (default MoEGemvConfig)"}
+    else:
+        cfg = cfg or MoEConfig()
+        f = jax.jit(lambda xs, ids, wts, wgu, wd: [
+            routed_experts_pallas(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
+        cfg_desc = cfg.__dict__
     t, t_wall, top = measure(f, xs, ids, wts, wgu, wd, n_calls=r)
     uniq = float(np.mean([len(np.unique(np.asarray(ids[j]))) for j in range(r)]))
     wbytes = uniq * per_expert
     flops = 2 * m * k * (h * 2 * i + i * h)
     return dict(kind="moe", name="experts_10of512_int4", E=e, H=h, I=i, topk=k, bits=bits, group=g, M=m,
                 rotate=r, us=t * 1e6, us_wall=t_wall * 1e6, kernels_us=top, unique_experts=uniq, source_bytes=wbytes, bytes_per_s=wbytes / t,
-                frac_copy_bw=wbytes / t / copy_bw, tflops=flops / t / 1e12, config=cfg.__dict__)
+                frac_copy_bw=wbytes / t / copy_bw, tflops=flops / t / 1e12, kernel_path=path, config=cfg_desc)
 
 
 def tune_moe(copy_bw, out_rows):
@@ -251,6 +264,8 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--only", default="")  # comma list of shape names (+ 'moe')
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep --out's rows for (kind, name, M) not measured in this run (one report, several runs)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     dev = jax.devices()[0]
@@ -258,6 +273,16 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    kept = []
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as fh:
+            kept = [r for r in json.load(fh)["rows"] if r["kind"] != "tune"]
+    stamp = dict(copy_bw_bytes_per_s=copy_bw,
+                 run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+    def report():  # this run's rows + the kept rows it did not re-measure
+        new = {(r["kind"], r["name"], r["M"]) for r in rows if r["kind"] != "tune"}
+        return rows + [r for r in kept if (r["kind"], r["name"], r["M"]) not in new]
     only = set(filter(None, args.only.split(",")))
     for name, k, n, bits, g in DENSE_SHAPES:
         if only and name not in only:
@@ -268,8 +293,8 @@ def main():
             except Exception as ex:  # noqa: BLE001
                 print("FAIL", name, m, repr(ex)[:300], flush=True)
                 continue
-            rows.append(row)
-            write(args.out, rows, copy_bw, dev)
+            rows.append(dict(row, **stamp))
+            write(args.out, report(), copy_bw, dev)
             print(f"{name:22s} M={m:4d} {row['us']:8.1f}us {row['frac_copy_bw']:.2f} copy "
                   f"bf16 {row['bf16_us']:.1f}us xla-dq {row['xla_dequant_us']:.1f}us wall {row['us_wall']:.1f}us "
                   f"{list(row['kernels_us'].items())[:3]}", flush=True)
@@ -280,14 +305,15 @@ def main():
             except Exception as ex:  # noqa: BLE001
                 print("FAIL moe", m, repr(ex)[:300], flush=True)
                 continue
-            rows.append(row)
+            rows.append(dict(row, **stamp))
             print(f"moe M={m:4d} {row['us']:8.1f}us (wall {row['us_wall']:.1f}) {row['frac_copy_bw']:.2f} copy "
                   f"{row['kernels_us']}", flush=True)
 
     if args.tune:
         tune_moe(copy_bw, rows)
-        write(args.out, rows, copy_bw, dev)
+        write(args.out, report(), copy_bw, dev)
         tune(copy_bw, rows)
+    rows = report()
     summary = write(args.out, rows, copy_bw, dev)
     print("\n" + json.dumps(summary, indent=1))
     print(f"\n{'kind':6s} {'name':22s} {'M':>4s} {'us':>8s} {'TB/s':>6s} {'frac':>5s} {'xbf16':>6s} {'xdq':>6s}")
@@ -300,12 +326,14 @@ def main():
 
 
 def summarize(rows, copy_bw, device_kind, jax_version, date):
-    """The report's summary. The dense figures follow quant_matmul's dispatch: the Pallas kernel ("us")
-    for M <= DECODE_MAX_M, dequant_dot_xla ("xla_dequant_us", the same function) above it."""
+    """The report's summary. The dense figures follow quant_matmul's dispatch: the Pallas kernel ("us": the GEMV
+    kernel for M <= GEMV_AUTO_MAX_M, the tensor-core kernel up to DECODE_MAX_M), dequant_dot_xla ("xla_dequant_us",
+    the same function) above it. Each row carries its run's date and copy bandwidth (--merge keeps old rows)."""
     dense = [r for r in rows if r["kind"] == "dense"]
     for r in dense:
         prefill = r["M"] > DECODE_MAX_M and "xla_dequant_us" in r
-        r["dispatched_path"] = "dequant_dot_xla" if prefill else "pallas_kernel"
+        kernel = "pallas_gemv" if r.get("kernel_path") == "gemv" else "pallas_kernel"
+        r["dispatched_path"] = "dequant_dot_xla" if prefill else kernel
         r["dispatched_us"] = r["xla_dequant_us"] if prefill else r["us"]
         if "bf16_us" in r:
             r["dispatched_frac_bf16_dot_flops"] = r["bf16_us"] / r["dispatched_us"]

@@ -2,15 +2,33 @@
 
 Per token, with q and k L2-normalised and q scaled by Dk^-0.5 (state S [Hv, Dk, Dv]):
     S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
-Prefill uses the chunked (WY) form, decode the recurrent form; both are pure JAX here (the Pallas kernels live in
-`pallas_kernels/`). Padding tokens are made exact no-ops (g = 0, beta = 0), so a right-padded batch leaves each
-row's state as if only its valid tokens had been seen.
+Padding tokens are made exact no-ops (g = 0, beta = 0), so a right-padded batch leaves each row's state as if only
+its valid tokens had been seen.
+
+Which delta rule runs (decided once per `gdn_forward` call, at trace time, by the same switch as the quantized
+matmuls: FLASHNEXT_KERNELS=auto|pallas|interpret|reference, see pallas_kernels/kernel_switch.py):
+  * "reference" (auto off GPU), and "pallas" with float32 activations: the pure-JAX rules of this module
+    (`delta_rule_chunked` for prefill, `delta_rule_recurrent` for T <= 4, `delta_rule_checkpoints` for the engine's
+    checkpoint columns). The GPU kernels feed bf16 operands to the tensor cores, so fp32 runs stay on this exact
+    path: the fp32 parity tests against transformers (1e-5) depend on its op order. Do not reorder these ops.
+  * "pallas" (auto on GPU) with bf16/fp16 activations, and "interpret" (the kernels interpreted on CPU, for tests):
+    the Pallas kernels of pallas_kernels/ (docs/kernels-gdn.md) in their FLA conventions: q, k per key head (the
+    kernel maps key head i to value heads i*rep ..), L2 norm and Dk^-0.5 scale inside the kernel. Prefill = the
+    chunked kernel (`chunk_gated_delta_rule`), T <= 4 without checkpoints and the checkpoint tail = the slot decode
+    kernel (`recurrent_gated_delta_rule_slots`) on a fresh [B, T|K1, Hv, Dk, Dv] state array whose column 0 holds
+    the starting state (slots = arange(B)): it writes the state after token t to column t.
+The causal conv is XLA on every path (a memory-bound multiply-add; the Pallas decode conv is not used yet).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import gdn_reference as gdn_kernels
+from pallas_kernels.kernel_switch import resolve_impl
 
 from .config import ModelConfig
 from .layers import gated_rms_norm, linear
@@ -113,6 +131,98 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out[:, :t], state
 
 
+def delta_rule_kernels(q, k, v, g, beta, state, base=None, k1: int | None = None, *, impl: str):
+    """The delta rule through the Pallas kernel entry points (impl "pallas" or "interpret").
+
+    q, k [B, T, Hk, Dk] raw (not normalised, not repeated to Hv, any float dtype); v [B, T, Hv, Dv]; g, beta
+    [B, T, Hv] fp32 with tokens past each row's valid length already identities (g = 0, beta = 0); state
+    [B, Hv, Dk, Dv] fp32. Without `base`: returns (out [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv]).
+    With `base` [B] and k1 (the same contract as `delta_rule_checkpoints`, base + k1 <= T): the states after
+    tokens base .. base + k1 - 1, [B, k1, Hv, Dk, Dv].
+    """
+    b, t = g.shape[:2]
+    dk = k.shape[-1]
+    kw = dict(scale=dk**-0.5, use_qk_l2norm=True, impl=impl)
+    slots = jnp.arange(b, dtype=jnp.int32)
+
+    def slot_decode(q, k, v, g, beta, s0, cols):
+        # fresh state array (the kernels donate it): column 0 = start state, the kernel writes column i after token i
+        states = jnp.zeros((b, cols) + s0.shape[1:], jnp.float32).at[:, 0].set(s0.astype(jnp.float32))
+        return gdn_kernels.recurrent_gated_delta_rule_slots(q, k, v, g, beta, state=states, slots=slots, **kw)
+
+    if base is None:
+        if t <= 4:  # decode / short verify: the slot kernel; right padding is identity, so the last column is final
+            out, states = slot_decode(q, k, v, g, beta, state, t)
+            return out, states[:, t - 1]
+        return gdn_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, **kw)
+
+    if t == k1:  # base + k1 <= T forces base = 0: no head tokens (the engine's plain decode / verify step)
+        s_base, out = state, None
+    else:
+        head = (jnp.arange(t)[None, :] < base[:, None])[..., None]
+        out, s_base = gdn_kernels.chunk_gated_delta_rule(q, k, v, jnp.where(head, g, 0.0), jnp.where(head, beta, 0.0),
+                                                         initial_state=state, **kw)
+    idx = base[:, None] + jnp.arange(k1)[None, :]  # [B, k1], < T
+    take = lambda a: jnp.take_along_axis(a, idx.reshape(b, k1, *([1] * (a.ndim - 2))), axis=1)
+    out_t, states = slot_decode(take(q), take(k), take(v), take(g), take(beta), s_base, k1)
+    if out is None:
+        return out_t, states
+    return out.at[jnp.arange(b)[:, None], idx].set(out_t), states
+
+
+class StoreRecState(NamedTuple):
+    """The engine store's recurrent-state leaf, addressed by slot in place (`RealRunner.step` on the kernel path).
+
+    leaf: [num_slots + 1, K1, n_gdn, Hv, Dk, Dv] fp32 (state_store layout, every GDN layer); slots: [B] int32 slot
+    of each row, -1 for rows that must be neither read nor written (padding, stale generations); read_col: [B]
+    the column holding each row's committed state; layer: this layer's index among the GDN layers. The kernels
+    read (slot, read_col) and write the checkpoint columns of (slot, :) of this layer, nothing else: no gather
+    of the state into the batch, no scatter back.
+    """
+
+    leaf: jax.Array
+    slots: jax.Array
+    read_col: jax.Array
+    layer: int
+
+
+def uses_kernels(dtype) -> bool:
+    """Whether gdn_forward runs the Pallas kernels for activations of this dtype (decided at trace time)."""
+    mode = resolve_impl(None)
+    return not (mode == "reference" or (mode == "pallas" and jnp.dtype(dtype) == jnp.float32))
+
+
+def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str):
+    """`delta_rule_kernels` with checkpoint columns, reading and writing the store leaf in place.
+
+    Same inputs as delta_rule_kernels; ends [B, K1] as in gdn_forward. The head tokens (before base = ends[:, 0]
+    - 1) go through the varlen chunked kernel (rows packed back to back, initial state from (slot, read_col),
+    final state to column 0), then the K1 tail tokens through the slot decode kernel reading column 0 (or
+    read_col when there is no head) and writing the state after tail token c to column c. Returns (out, rec with
+    the updated leaf)."""
+    b, t = g.shape[:2]
+    k1 = ends.shape[1]
+    kw = dict(scale=k.shape[-1] ** -0.5, use_qk_l2norm=True, impl=impl, layer=rec.layer)
+    leaf, read_col = rec.leaf, rec.read_col
+    base = ends[:, 0] - 1
+    out = None
+    if t > k1:  # t == k1 forces base = 0 (base + k1 <= t): a plain decode / verify step has no head
+        head = (jnp.arange(t)[None, :] < base[:, None])[..., None]
+        pack = lambda a: a.reshape((1, b * t) + a.shape[2:])
+        out, leaf = gdn_kernels.chunk_gated_delta_rule_varlen(
+            pack(q), pack(k), pack(v), pack(jnp.where(head, g, 0.0)), pack(jnp.where(head, beta, 0.0)),
+            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t, state=leaf, slots=rec.slots, read_col=read_col,
+            **kw)
+        out = out.reshape(b, t, *out.shape[2:])
+        read_col = jnp.zeros_like(read_col)  # the state after the head tokens is now in column 0
+    idx = base[:, None] + jnp.arange(k1)[None, :]  # [B, k1], < T
+    take = lambda a: jnp.take_along_axis(a, idx.reshape(b, k1, *([1] * (a.ndim - 2))), axis=1)
+    out_t, leaf = gdn_kernels.recurrent_gated_delta_rule_slots(take(q), take(k), take(v), take(g), take(beta),
+                                                               state=leaf, slots=rec.slots, read_col=read_col, **kw)
+    out = out_t if out is None else out.at[jnp.arange(b)[:, None], idx].set(out_t)
+    return out, rec._replace(leaf=leaf)
+
+
 def causal_conv(x_full: jax.Array, weight: jax.Array, t: int, dilation: int = 1) -> jax.Array:
     """Depthwise causal conv over x_full [B, P + T, C] (P = history), weight [C, K]: out[t] = sum_j w[:, j] x[t+j*d]."""
     kernel = weight.shape[-1]
@@ -133,6 +243,8 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
 
     Returns (y [B, T, H], new conv_state, new rec_state). With `ends` [B, K1] (token counts base+1 .. base+K1, the
     engine's checkpoint columns) the states come back per column: conv [B, K1, K-1, C], rec [B, K1, Hv, Dk, Dv].
+    rec_state may instead be a `StoreRecState` (with `ends`, only where `uses_kernels`): the kernels then update
+    the store leaf in place and the returned rec state is the StoreRecState holding the new leaf.
     """
     bsz, t, _ = u.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -157,15 +269,25 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
     g = jnp.where(valid[..., None], g, 0.0)
     beta = jnp.where(valid[..., None], beta, 0.0)
 
-    rep = hv // hk  # key head i serves value heads i*rep .. i*rep+rep-1
-    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)
-    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), rep, axis=2)
-    v = v.astype(jnp.float32)
-    if ends is None:
-        rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
-        core, new_rec = rule(q, k, v, g, beta, rec_state)
+    mode = resolve_impl(None)
+    if isinstance(rec_state, StoreRecState):
+        if ends is None or not uses_kernels(u.dtype):
+            raise ValueError("a StoreRecState needs the kernel path and checkpoint ends (see RealRunner.step)")
+        core, new_rec = delta_rule_in_store(q, k, v, g, beta, rec_state, ends, impl=mode)
+    elif not uses_kernels(u.dtype):
+        rep = hv // hk  # key head i serves value heads i*rep .. i*rep+rep-1
+        q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)
+        k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), rep, axis=2)
+        v = v.astype(jnp.float32)
+        if ends is None:
+            rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
+            core, new_rec = rule(q, k, v, g, beta, rec_state)
+        else:
+            core, new_rec = delta_rule_checkpoints(q, k, v, g, beta, rec_state, ends[:, 0] - 1, ends.shape[1])
     else:
-        core, new_rec = delta_rule_checkpoints(q, k, v, g, beta, rec_state, ends[:, 0] - 1, ends.shape[1])
+        base = None if ends is None else ends[:, 0] - 1
+        k1 = None if ends is None else ends.shape[1]
+        core, new_rec = delta_rule_kernels(q, k, v, g, beta, rec_state, base, k1, impl=mode)
 
     core = core.astype(u.dtype)
     out = gated_rms_norm(core, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)

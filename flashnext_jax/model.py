@@ -61,32 +61,53 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> State:
     )
 
 
-def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, batch: Batch, positions, valid, state: State, slots):
-    """One decoder layer: (PLE) -> read -> GDN|QSA -> write -> read -> MoE -> write. Returns (x, state)."""
-    gdn_i, qsa_i, ple_i = slots
-    if "ple" in lp:
-        delta, new_conv = ple_forward(lp["ple"], cfg, x, batch.ple_rows[ple_i], state.ple_conv[ple_i], valid,
-                                      batch.n_valid)
+def layer_state_index(cfg: ModelConfig, layer: int) -> dict[str, int]:
+    """The `State` fields decoder layer `layer` owns -> its index along their leading layer-of-kind axis.
+
+    A GDN layer owns gdn_conv/gdn_rec, a QSA layer kv_k/kv_v/kv_index, and a PLE layer also its ple_conv. Both
+    `forward_hidden` (dense State) and the engine's runner (per-row states gathered from the store) use this to
+    hand `decoder_layer` its own slice of the state.
+    """
+    if cfg.layer_types[layer] == GDN:
+        i = cfg.gdn_layers.index(layer)
+        index = {"gdn_conv": i, "gdn_rec": i}
+    else:
+        i = cfg.qsa_layers.index(layer)
+        index = {"kv_k": i, "kv_v": i, "kv_index": i}
+    if layer in cfg.ple_layers:
+        index["ple_conv"] = cfg.ple_layers.index(layer)
+    return index
+
+
+def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions, valid, n_valid, layer_state: dict,
+                  ends=None):
+    """One decoder layer: (PLE) -> read -> GDN|QSA -> write -> read -> MoE -> write. Returns (x, new layer_state).
+
+    `layer_state` holds this layer's own state under its `State` field names (see `layer_state_index`), so the
+    caller decides where states live: `forward_hidden` slices a dense `State`, the runner passes per-row states
+    gathered from the store. With `ends` [B, K1] (token counts) the GDN and PLE states come back per checkpoint
+    column (a leading K1 axis after the row axis) instead of after each row's last valid token; the QSA caches
+    always come back whole, with this step's keys written at `positions`.
+    """
+    new = {}
+    if layer in cfg.ple_layers:
+        delta, new["ple_conv"] = ple_forward(lp["ple"], cfg, x, ple_rows, layer_state["ple_conv"], valid, n_valid,
+                                             ends)
         x = x + delta
-        state = state.replace(ple_conv=state.ple_conv.at[ple_i].set(new_conv))
 
     u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
     if cfg.layer_types[layer] == GDN:
-        y, conv, rec = gdn_forward(lp["linear_attn"], cfg, u, state.gdn_conv[gdn_i], state.gdn_rec[gdn_i], valid,
-                                   batch.n_valid)
-        state = state.replace(gdn_conv=state.gdn_conv.at[gdn_i].set(conv), gdn_rec=state.gdn_rec.at[gdn_i].set(rec))
+        y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
+                                                         layer_state["gdn_rec"], valid, n_valid, ends)
     else:
-        cache = (state.kv_k[qsa_i], state.kv_v[qsa_i], state.kv_index[qsa_i])
-        y, (kk, vv, ii) = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache)
-        state = state.replace(
-            kv_k=state.kv_k.at[qsa_i].set(kk), kv_v=state.kv_v.at[qsa_i].set(vv),
-            kv_index=state.kv_index.at[qsa_i].set(ii),
-        )
+        cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
+        y, (new["kv_k"], new["kv_v"], new["kv_index"]) = qsa_forward(lp["self_attn"], cfg, u, positions, valid,
+                                                                     cache)
     x = hyper_write(x, y, gains)
 
     u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
     x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
-    return x, state
+    return x, new
 
 
 def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
@@ -94,14 +115,13 @@ def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < batch.n_valid[:, None]
-    emb = embed(params, batch.tokens)
-    x = jnp.tile(emb, (1, 1, cfg.hc_count))
-    gdn_i = qsa_i = ple_i = 0
+    x = jnp.tile(embed(params, batch.tokens), (1, 1, cfg.hc_count))
     for layer, lp in enumerate(params["layers"]):
-        x, state = decoder_layer(lp, cfg, layer, x, batch, positions, valid, state, (gdn_i, qsa_i, ple_i))
-        gdn_i += cfg.layer_types[layer] == GDN
-        qsa_i += cfg.layer_types[layer] != GDN
-        ple_i += "ple" in lp
+        index = layer_state_index(cfg, layer)
+        ple_rows = batch.ple_rows[index["ple_conv"]] if "ple_conv" in index else None
+        layer_state = {name: getattr(state, name)[i] for name, i in index.items()}
+        x, layer_state = decoder_layer(lp, cfg, layer, x, ple_rows, positions, valid, batch.n_valid, layer_state)
+        state = state.replace(**{name: getattr(state, name).at[index[name]].set(a) for name, a in layer_state.items()})
     return x, state
 
 
@@ -116,9 +136,7 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 def final_logits(params: dict, cfg: ModelConfig, hyper: jax.Array, mixer: dict | None = None) -> jax.Array:
     """Final mixer (gated read, no write) and lm_head -> fp32 logits."""
-    from .hyper import hyper_read as read
-
-    u, _ = read(params["hyper_connection_mixer"] if mixer is None else mixer, cfg, hyper)
+    u, _ = hyper_read(params["hyper_connection_mixer"] if mixer is None else mixer, cfg, hyper)
     return linear(u, params["lm_head"]).astype(jnp.float32)
 
 

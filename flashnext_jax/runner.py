@@ -2,10 +2,13 @@
 
 `RealRunner(model, num_speculative_tokens)` wraps a loaded `api.Model`. Its pure `step` gathers each live row's
 state through the `state_store` helpers (slot id -> committed column, page table -> per-token K/V/index entries),
-builds the dense per-row layout `model.forward` uses (KV length = the step's page-table width, a power-of-two
-bucket), runs the decoder layers with checkpoint columns (GDN recurrent/conv, PLE conv and n-gram context, the MTP
-hyper input after each of the last K1 = k + 1 row tokens), scatters the new tokens' K/V/index entries back into the
-row's pages and the columns into the row's slot, and returns target logits and MTP draft logits at the tail.
+builds the dense per-row K/V layout `model.forward` uses (KV length = the step's page-table width, a power-of-two
+bucket), runs `model.decoder_layer` (the same layer code as `model.forward`) with checkpoint columns (GDN
+recurrent/conv, PLE conv and n-gram context, the MTP hyper input after each of the last K1 = k + 1 row tokens),
+scatters the new tokens' K/V/index entries back into the row's pages and the columns into the row's slot, and
+returns target logits and MTP draft logits at the tail. Where the GDN Pallas kernels run (`gdn.uses_kernels`), the
+recurrent state is the exception: it is never gathered, the kernels read and write the store leaf by slot id and
+layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched.
 
 MTP bookkeeping (one position behind the main model): the MTP cache entry of pair (h_{q-1}, e_q) is computed at
 RoPE position q-1 (exactly as `Model.mtp_logits`) but stored at page position q, so every write stays inside the
@@ -14,19 +17,19 @@ row's own range [start, start + n); the dense MTP cache is the paged one shifted
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import GDN
-from .hyper import hyper_read, hyper_write
-from .model import embed, final_logits
-from .moe import moe_forward
+from .gdn import StoreRecState, uses_kernels
+from .model import decoder_layer, embed, final_logits, layer_state_index
 from .mtp import mtp_forward
-from .gdn import gdn_forward
-from .ple import gather_rows, ple_forward
-from .qsa import qsa_forward
+from .ple import gather_rows
 from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
+
+_PAGES = {"kv_k": "qsa_k", "kv_v": "qsa_v", "kv_index": "qsa_index"}  # State field -> store page leaf
 
 
 def _take_tokens(a: jax.Array, idx: jax.Array) -> jax.Array:
@@ -113,61 +116,62 @@ class RealRunner:
 
         ratio = cfg.indexer_compress_ratio or 1
 
-        def dense(name):  # paged per-token entries -> [B, L, ...] (L a multiple of the QSA block ratio)
+        def dense(name):  # paged per-token entries -> [B, n_qsa, L, ...] (L a multiple of the QSA block ratio)
             a = read_pages(store, name, batch.page_table)
             pad = (-a.shape[1]) % ratio
-            return jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) if pad else a
+            a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) if pad else a
+            return jnp.moveaxis(a, 2, 1)
 
-        kv_k, kv_v, kv_i = (jnp.moveaxis(dense(n), 2, 0) for n in ("qsa_k", "qsa_v", "qsa_index"))
-        L = kv_k.shape[2]
+        # On the kernel path the GDN recurrent state is never gathered: the kernels read each row's committed
+        # column and write its checkpoint columns in the store leaf itself, by slot id (stale rows: slot -1).
+        in_place = self.n_gdn > 0 and uses_kernels(dt)
+        if in_place:
+            rec = StoreRecState(store.slot["gdn_rec"], jnp.where(live, batch.slot, -1),
+                                store.cursor[jnp.clip(batch.slot, 0, store.num_slots)], 0)
+
+        # every state leaf as [B, layer-of-kind, ...], under the State field names decoder_layer reads
+        gathered = ("gdn_conv", "ple_conv") if in_place else ("gdn_conv", "gdn_rec", "ple_conv")
+        rows_state = {name: st[name] for name in gathered if name in st}
+        rows_state |= {name: dense(page) for name, page in _PAGES.items()}
+        L = rows_state["kv_k"].shape[2]
         qpos = jnp.minimum(positions, L - 1)
 
-        # ---- decoder layers with checkpoint columns
+        # ---- decoder layers: GDN/PLE states come back per checkpoint column, K/V caches whole (keep the new tokens)
         x = jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
-        gdn_i = qsa_i = ple_i = 0
-        rec_cols, conv_cols, ple_cols, new_kv = [], [], [], []
+        ple_rows = batch.host["ple_rows"].astype(dt) if self.n_ple else None
+        new = {name: [] for name in rows_state}
         for layer, lp in enumerate(params["layers"]):
-            if "ple" in lp:
-                rows = batch.host["ple_rows"].astype(dt)
-                delta, pc = ple_forward(lp["ple"], cfg, x, rows, st["ple_conv"][:, ple_i], valid, n_valid, ends)
-                x = x + delta
-                ple_cols.append(pc)
-                ple_i += 1
-            u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
-            if cfg.layer_types[layer] == GDN:
-                y, conv, rec = gdn_forward(lp["linear_attn"], cfg, u, st["gdn_conv"][:, gdn_i], st["gdn_rec"][:, gdn_i],
-                                           valid, n_valid, ends)
-                conv_cols.append(conv)
-                rec_cols.append(rec)
-                gdn_i += 1
-            else:
-                cache = (kv_k[qsa_i], kv_v[qsa_i], kv_i[qsa_i])
-                y, (kk, vv, ii) = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache)
-                new_kv.append(tuple(_take_tokens(a, qpos) for a in (kk, vv, ii)))
-                qsa_i += 1
-            x = hyper_write(x, y, gains)
-            u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
-            x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
+            index = layer_state_index(cfg, layer)
+            layer_state = {name: rows_state[name][:, i] for name, i in index.items() if name in rows_state}
+            if in_place and "gdn_rec" in index:
+                layer_state["gdn_rec"] = rec._replace(layer=index["gdn_rec"])
+            x, layer_state = decoder_layer(lp, cfg, layer, x, ple_rows, positions, valid, n_valid, layer_state, ends)
+            if in_place and "gdn_rec" in layer_state:
+                rec = layer_state.pop("gdn_rec")
+            for name, a in layer_state.items():
+                new[name].append(_take_tokens(a, qpos) if name in _PAGES else a)
         hyper = x  # [B, T, S*H] pre-final-mixer
+        new = {name: jnp.stack(a, 2) for name, a in new.items()}  # [B, K1 or T, layer-of-kind, ...]
 
-        cols = {"gdn_rec": jnp.stack(rec_cols, 2), "gdn_conv": jnp.stack(conv_cols, 2)}
+        cols = {name: a for name, a in new.items() if name not in _PAGES}
         if self.n_ple:
-            cols["ple_conv"] = jnp.stack(ple_cols, 2)
             c = self.hasher.context_len
             hist = jnp.concatenate([st["ple_ctx"], tokens], axis=1)  # [B, c + T]
             cols["ple_ctx"] = jnp.stack([_take_tokens(hist, ends + j) for j in range(c)], axis=-1)  # last c ids
         h_tail = _take_tokens(hyper, tail)  # [B, K1, S*H]
         logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
 
-        for name, j in (("qsa_k", 0), ("qsa_v", 1), ("qsa_index", 2)):
-            store = write_pages(store, name, batch.page_table, positions, wvalid, jnp.stack([e[j] for e in new_kv], 2))
+        for name, page in _PAGES.items():
+            store = write_pages(store, page, batch.page_table, positions, wvalid, new[name])
 
         if k:
             cols["mtp_h"] = h_tail
             store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L)
         else:
             dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
-        store = write_slots(store, batch.slot, live, cols)
+        if in_place:
+            store = dataclasses.replace(store, slot={**store.slot, "gdn_rec": rec.leaf})
+        store = write_slots(store, batch.slot, live, cols, written_in_place=("gdn_rec",) if in_place else ())
         return store, {"logits": logits, "draft_logits": dlogits}
 
     def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L):

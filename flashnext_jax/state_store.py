@@ -119,10 +119,18 @@ def read_slots(store: StateStore, slot: jax.Array, live: jax.Array) -> dict[str,
     return {n: a[idx, col] for n, a in store.slot.items()}
 
 
-def write_slots(store: StateStore, slot: jax.Array, live: jax.Array, columns: dict[str, jax.Array]) -> StateStore:
-    """Scatter [B, K1, *shape] checkpoint columns back to the rows' slots; non-live rows are dropped."""
+def write_slots(store: StateStore, slot: jax.Array, live: jax.Array, columns: dict[str, jax.Array],
+                written_in_place: tuple[str, ...] = ()) -> StateStore:
+    """Scatter [B, K1, *shape] checkpoint columns back to the rows' slots; non-live rows are dropped.
+
+    Every slot leaf is written each step: either from `columns` or, for the names in `written_in_place`, by a
+    kernel that already updated the leaf by slot id under the same liveness rule (gdn.StoreRecState)."""
+    missing = set(store.slot) - set(columns) - set(written_in_place)
+    if missing:
+        raise ValueError(f"a step must write every slot leaf; missing {sorted(missing)}")
     idx = jnp.where(live, slot, store.num_slots + 1)  # out of range -> dropped
-    new = {n: store.slot[n].at[idx].set(columns[n].astype(store.slot[n].dtype), mode="drop") for n in store.slot}
+    new = {n: (store.slot[n].at[idx].set(columns[n].astype(store.slot[n].dtype), mode="drop") if n in columns
+               else store.slot[n]) for n in store.slot}
     return dataclasses.replace(store, slot=new)
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gdn_reference import L2_EPS, flat_state
+from pallas_kernels.gdn_reference import L2_EPS, flat_state, slot_rows
 
 try:  # Triton-backend compiler params (GPU); unused in interpret mode
     from jax.experimental.pallas import triton as pltriton
@@ -25,7 +25,7 @@ except Exception:  # pragma: no cover
 
 
 def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref, s_out_ref, *, T, ratio, BV,
-                   scale, l2):
+                   scale, l2, col_stride):
     del s_in_ref  # aliased with s_out_ref
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -56,29 +56,30 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref,
 
         @pl.when(valid)
         def _store(S=S, t=t):
-            s_out_ref[wrow + t, h, :, cols] = S
+            s_out_ref[wrow + t * col_stride, h, :, cols] = S
 
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "block_v", "num_warps"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "block_v", "num_warps",
+                                             "layer"),
                    donate_argnames=("state",))
 def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, scale, read_col=None,
-                                            use_qk_l2norm=False, interpret=False, block_v=None, num_warps=None):
+                                            use_qk_l2norm=False, interpret=False, block_v=None, num_warps=None,
+                                            layer=None):
     """Same contract as gdn_reference.recurrent_gated_delta_rule_slots; state is donated and updated in place."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    flat, k1, unflat = flat_state(state)
+    flat, k1, stride, offset, unflat = flat_state(state, layer)
     assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
     assert flat.dtype == jnp.float32
-    slots = slots.astype(jnp.int32)
-    rc = jnp.zeros((B,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
-    meta = jnp.stack([slots, slots * k1 + rc, slots * k1, jnp.zeros_like(slots)], axis=1)  # [B, 4]
+    slots, rrow, wrow = slot_rows(slots, read_col, B, k1, stride, offset)
+    meta = jnp.stack([slots, rrow, wrow, jnp.zeros_like(slots)], axis=1)  # [B, 4]
     # tuned on the H200 (bench/results/gdn.json): small batches want many small programs
     BV = min(Dv, block_v or (16 if B * Hv < 16 * 48 else 64))
     nw = num_warps or (2 if BV <= 16 else 4)
     kernel = functools.partial(_decode_kernel, T=T, ratio=Hv // Hk, BV=BV, scale=float(scale),
-                               l2=bool(use_qk_l2norm))
+                               l2=bool(use_qk_l2norm), col_stride=stride)
     kw = {}
     if not interpret and pltriton is not None:
         kw["compiler_params"] = pltriton.CompilerParams(num_warps=nw, num_stages=1)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gdn_reference import CHUNK, L2_EPS, flat_state, varlen_chunk_layout
+from pallas_kernels.gdn_reference import CHUNK, L2_EPS, flat_state, slot_rows, varlen_chunk_layout
 
 try:
     from jax.experimental.pallas import triton as pltriton
@@ -206,18 +206,18 @@ def _state_kernel(smeta_ref, q_ref, k_ref, w_ref, u_ref, a_ref, gc_ref, s_in_ref
 # ----------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "block_v", "num_warps",
                                              "num_stages", "dot_dtype", "wy_warps",
-                                             "stop_after_wy"),
+                                             "stop_after_wy", "layer"),
                    donate_argnames=("state",))
 def chunk_gated_delta_rule_varlen_pallas(q, k, v, g, beta, *, cu_seqlens, state, slots, scale, read_col=None,
                                          has_initial_state=None, use_qk_l2norm=False, interpret=False,
                                          block_v=None, num_warps=None, num_stages=None, dot_dtype=None,
-                                         wy_warps=None, stop_after_wy=False):
+                                         wy_warps=None, stop_after_wy=False, layer=None):
     """Same contract as gdn_reference.chunk_gated_delta_rule_varlen (o past cu_seqlens[-1] is unspecified);
     the state array is donated and updated in place. Sequences must use distinct slots."""
     _, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
-    flat, k1, unflat = flat_state(state)
+    flat, k1, stride, offset, unflat = flat_state(state, layer)
     assert flat.dtype == jnp.float32
     dt = jnp.dtype(dot_dtype) if dot_dtype is not None else (jnp.float32 if interpret else jnp.bfloat16)
     inter_dt = dt
@@ -227,10 +227,9 @@ def chunk_gated_delta_rule_varlen_pallas(q, k, v, g, beta, *, cu_seqlens, state,
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
     ch0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])[:-1]
-    slots = slots.astype(jnp.int32)
-    rc = jnp.zeros((N,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
+    slots, rrow, wrow = slot_rows(slots, read_col, N, k1, stride, offset)
     hinit = jnp.ones((N,), jnp.int32) if has_initial_state is None else has_initial_state.astype(jnp.int32)
-    smeta = jnp.stack([ch0, nch, cu[:-1], lens, slots, slots * k1 + rc, slots * k1, hinit], axis=1)
+    smeta = jnp.stack([ch0, nch, cu[:-1], lens, slots, rrow, wrow, hinit], axis=1)
     cmeta = jnp.stack([lay["chunk_tok0"], lay["chunk_len"]], axis=1)
 
     x = [a[0] for a in (q, k, v, g, beta)]  # packed [T, ...]

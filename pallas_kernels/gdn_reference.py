@@ -32,6 +32,7 @@ __all__ = [
     "chunk_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_slots",
     "flat_state",
+    "slot_rows",
     "varlen_chunk_layout",
 ]
 
@@ -180,13 +181,34 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, outpu
 # ----------------------------------------------------------------------------------------------------------
 # slot-indexed state helpers
 # ----------------------------------------------------------------------------------------------------------
-def flat_state(state):
-    """[num_slots, K1, Hv, Dk, Dv] (or 4-D, K1 = 1) -> ([num_slots*K1, Hv, Dk, Dv], K1, unflatten)."""
+def flat_state(state, layer=None):
+    """Flat row view of a slot-indexed state array: (flat [rows, Hv, Dk, Dv], K1, col_stride, offset, unflatten).
+
+    [num_slots, K1, Hv, Dk, Dv] (4-D: K1 = 1) -> row slot * K1 + col. With `layer` (a static int) the array is
+    the engine store's leaf [num_slots, K1, L, Hv, Dk, Dv] holding every GDN layer (state_store layout) and the
+    row of (slot, col) is (slot * K1 + col) * L + layer: the kernels address the store in place, no gather."""
+    if layer is not None:
+        if state.ndim != 6:
+            raise ValueError(f"layer= needs a [num_slots, K1, L, Hv, Dk, Dv] state, got shape {state.shape}")
+        ns, k1, n_layers = state.shape[:3]
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer {layer} out of range for {n_layers} layers")
+        shape = state.shape
+        return (state.reshape((ns * k1 * n_layers,) + shape[3:]), k1, n_layers, int(layer),
+                lambda s: s.reshape(shape))
     if state.ndim == 4:
-        return state, 1, (lambda s: s)
+        return state, 1, 1, 0, (lambda s: s)
     ns, k1 = state.shape[:2]
     shape = state.shape
-    return state.reshape((ns * k1,) + shape[2:]), k1, (lambda s: s.reshape(shape))
+    return state.reshape((ns * k1,) + shape[2:]), k1, 1, 0, (lambda s: s.reshape(shape))
+
+
+def slot_rows(slots, read_col, n, k1, stride=1, offset=0):
+    """(slots int32, row of each slot's read column, row of its column 0) in a flat_state view; a row's column
+    c lives at row0 + c * stride."""
+    slots = slots.astype(jnp.int32)
+    rc = jnp.zeros((n,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
+    return slots, (slots * k1 + rc) * stride + offset, slots * k1 * stride + offset
 
 
 def varlen_chunk_layout(cu_seqlens, total_tokens, chunk_size=CHUNK):
@@ -220,14 +242,9 @@ def varlen_chunk_layout(cu_seqlens, total_tokens, chunk_size=CHUNK):
                 chunk_first=first, chunk_last=last, tok_pos=tok_pos)
 
 
-def _slot_rows(slots, read_col, k1, n):
-    slots = slots.astype(jnp.int32)
-    rc = jnp.zeros((n,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
-    return slots, slots * k1 + rc, slots * k1
-
-
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots, scale, read_col=None,
-                                  has_initial_state=None, use_qk_l2norm=False, impl=None, chunk_size=CHUNK):
+                                  has_initial_state=None, use_qk_l2norm=False, impl=None, chunk_size=CHUNK,
+                                  layer=None):
     """Varlen chunked prefill with slot-indexed states.
 
     q, k [1,T,Hk,Dk]; v [1,T,Hv,Dv]; g, beta [1,T,Hv] hold N sequences packed back to back,
@@ -236,19 +253,22 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
     sequence, neither read nor written); read_col [N] (default 0): checkpoint column of the initial state;
     has_initial_state [N] bool (default True): False starts from zeros without reading the slot.
     The final state of sequence n goes to column 0 of slot slots[n]; other slots/columns are untouched.
-    Returns (o [1,T,Hv,Dv] in v.dtype, new state array). The Pallas path updates it in place."""
+    layer (static int): state is the store's [num_slots, K1, L, Hv, Dk, Dv] leaf and only layer `layer` is read
+    and written (flat_state). Returns (o [1,T,Hv,Dv] in v.dtype, new state array). The Pallas path updates it
+    in place."""
     from pallas_kernels.kernel_switch import resolve_impl
     mode = resolve_impl(impl)
     if mode != "reference":
         from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_varlen_pallas
         return chunk_gated_delta_rule_varlen_pallas(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, state=state, slots=slots, scale=scale, read_col=read_col,
-            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"))
+            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"),
+            layer=layer)
     _, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     C = chunk_size
     N = cu_seqlens.shape[0] - 1
-    flat, k1, unflat = flat_state(state)
-    slots, rrow, wrow = _slot_rows(slots, read_col, k1, N)
+    flat, k1, stride, offset, unflat = flat_state(state, layer)
+    slots, rrow, wrow = slot_rows(slots, read_col, N, k1, stride, offset)
     hinit = jnp.ones((N,), bool) if has_initial_state is None else has_initial_state.astype(bool)
     lay = varlen_chunk_layout(cu_seqlens, T, C)
     NC = lay["NC"]
@@ -291,30 +311,31 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
 
 
 def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, read_col=None,
-                                     use_qk_l2norm=False, impl=None):
+                                     use_qk_l2norm=False, impl=None, layer=None):
     """Decode / MTP verify of T tokens per row (T static, 1 <= T <= K1) with checkpointed slot states.
 
     q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; g, beta [B,T,Hv]; state [num_slots, K1, Hv, Dk, Dv] fp32 (4-D = K1 1,
     then T must be 1); slots [B] int32 (< 0: padding row: not read, not written, o = 0); read_col [B]
     (default 0): checkpoint column holding the row's current state (after MTP: accepted - 1).
-    Writes the state after token t to column t of the row's slot. Returns (o [B,T,Hv,Dv], new state)."""
+    Writes the state after token t to column t of the row's slot. layer: as in chunk_gated_delta_rule_varlen
+    (the store's all-layer leaf, addressed in place). Returns (o [B,T,Hv,Dv], new state)."""
     from pallas_kernels.kernel_switch import resolve_impl
     mode = resolve_impl(impl)
     if mode != "reference":
         from pallas_kernels.gdn_decode import recurrent_gated_delta_rule_slots_pallas
         return recurrent_gated_delta_rule_slots_pallas(
             q, k, v, g, beta, state=state, slots=slots, scale=scale, read_col=read_col,
-            use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"))
+            use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"), layer=layer)
     B, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
-    flat, k1, unflat = flat_state(state)
+    flat, k1, stride, offset, unflat = flat_state(state, layer)
     assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
-    slots, rrow, wrow = _slot_rows(slots, read_col, k1, B)
+    slots, rrow, wrow = slot_rows(slots, read_col, B, k1, stride, offset)
     valid = slots >= 0
     S0 = jnp.where(valid[:, None, None, None], flat[jnp.where(valid, rrow, 0)], 0.0)
     o, states = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=S0,
                                            use_qk_l2norm=use_qk_l2norm, output_all_states=True)
     o = jnp.where(valid[:, None, None, None], o, 0).astype(v.dtype)
-    rows = wrow[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    rows = wrow[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :] * stride  # [B, T]
     rows = jnp.where(valid[:, None], rows, flat.shape[0])  # out of range -> dropped
     flat = flat.at[rows.reshape(-1)].set(states.reshape((B * T,) + states.shape[2:]), mode="drop")
     return o, unflat(flat)

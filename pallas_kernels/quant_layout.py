@@ -273,3 +273,30 @@ def resolve_impl(impl: str | None = None) -> str:
 def use_pallas(impl: str | None = None) -> bool:
     """True when the Pallas kernel (compiled or interpreted) should run instead of the reference."""
     return resolve_impl(impl) != "reference"
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n (kernel tile sizes)."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def is_pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+def check_dense_operands(x_shape, w, kernel: str) -> None:
+    """The checks every dense kernel shares: x [M, K] against a 2-D QuantizedWeight [K, N] of a supported width
+    (TypeError / ValueError naming `kernel` and the problem)."""
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"the {kernel} needs a QuantizedWeight, got {type(w).__name__}")
+    if len(x_shape) != 2:
+        raise ValueError(f"x must be [M, K] (flatten leading dims first), got shape {tuple(x_shape)}")
+    if w.ndim != 2:
+        raise ValueError(f"dense quant_matmul needs a 2-D weight [K, N], got {w.shape}")
+    if x_shape[1] != w.k:
+        raise ValueError(f"x has K={x_shape[1]} but the weight has K={w.k}")
+    if w.bits not in PLANE_FORMATS:
+        raise ValueError(f"unsupported bits {w.bits}")

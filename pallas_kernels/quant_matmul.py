@@ -12,9 +12,11 @@ host machinery; the measured numbers are in docs/kernels-quant-matmul.md and ben
 One kernel body, two tilings: decode (M <= 64: BM = 16..64, split-K over the grid, each program owns a
 contiguous run of groups, fp32 partials summed by XLA) and prefill (M > 64: BM = 128 tiles of M, full K).
 
-Dispatch (`quant_matmul` with impl 'pallas'/'interpret'), from the H200 run in
-bench/results/quant_matmul.json (device time per call, copy ceiling 4.29 TB/s measured in that run):
-* M <= DECODE_MAX_M (32): the Pallas decode kernel. At M <= 16 it beats XLA's dequant+dot 1.0-3.5x
+Dispatch (`quant_matmul` with impl 'pallas'/'interpret', `dispatch_path`), from the H200 runs in
+bench/results/quant_matmul.json and bench/results/quant_sweep.json (device time per call):
+* M <= GEMV_AUTO_MAX_M (2): the CUDA-core GEMV kernel below (lm_head int8 0.81 of the copy bandwidth at M = 1,
+  int4 8192x28672 0.54, int6 in_proj_qkv 0.37: 1.4-2.4x faster than the tensor-core kernel);
+* M <= DECODE_MAX_M (32): the Pallas tensor-core decode kernel. At M <= 16 it beats XLA's dequant+dot 1.0-3.5x
   (lm_head int8 296 us vs 1042 us) but reaches only 0.09-0.51 of the copy bandwidth: it is bound by the
   per-value dequantization work (about 2e12 dequantized values/s at every bit width: int8 lm_head
   2.15e12, int4 8192x28672 1.97e12, int6 in_proj_qkv 1.7e12 fields/s), not by HBM;
@@ -22,6 +24,8 @@ bench/results/quant_matmul.json (device time per call, copy ceiling 4.29 TB/s me
   0.58-0.82 of the bf16 dot's FLOP/s at M = 512, where this Triton kernel (small-K tensor-core steps, one
   scale multiply per group) reaches only 0.02-0.12. The kernel's prefill tiling stays available
   (path='kernel') and tested.
+
+The GEMV kernel used for M <= 2 lives in quant_gemv.py (its design and instruction counts are described there).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight, dequantize, resolve_impl
+from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
+                                       default_gemv_config, quant_matmul_gemv)
+from pallas_kernels.quant_layout import (PLANE_FORMATS, QuantizedWeight, check_dense_operands, dequantize,
+                                         pow2_divisor, resolve_impl)
 
 try:  # the Triton compiler params; absent or unused in interpret mode
     from jax.experimental.pallas import triton as pl_triton
@@ -164,25 +171,9 @@ def _dense_kernel(x_ref, *refs, bits, group_size, n_planes, groups_per_split, gr
 
 # --------------------------------------------------------------------------------------------- shapes, configs
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
 def check_kernel_shape(x_shape, w: QuantizedWeight) -> None:
     """Raises ValueError with the reason when the Pallas kernel cannot take these shapes."""
-    if not isinstance(w, QuantizedWeight):
-        raise TypeError(f"the Pallas kernel needs a QuantizedWeight, got {type(w).__name__}")
-    if len(x_shape) != 2:
-        raise ValueError(f"x must be [M, K] (flatten leading dims first), got shape {tuple(x_shape)}")
-    if w.ndim != 2:
-        raise ValueError(f"dense quant_matmul needs a 2-D weight [K, N], got {w.shape}")
-    if x_shape[1] != w.k:
-        raise ValueError(f"x has K={x_shape[1]} but the weight has K={w.k}")
-    if w.bits not in PLANE_FORMATS:
-        raise ValueError(f"unsupported bits {w.bits}")
+    check_dense_operands(x_shape, w, "Pallas kernel")
     for _, _, r, _, sub, _ in _plane_slots(w.bits, w.group_size):
         if sub < 16 or sub & (sub - 1):
             raise ValueError(
@@ -207,9 +198,9 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
     bm = _bm_for(m)
     n_groups = k // group_size
     if bm >= 128:  # prefill: compute tiles, no split
-        bn = _pow2_divisor(n, 128)
+        bn = pow2_divisor(n, 128)
         return DenseConfig(bm=bm, bn=bn, splits=1, groups_per_iter=1, num_warps=8, num_stages=3)
-    bn = _pow2_divisor(n, 128 if bm <= 16 else 64)
+    bn = pow2_divisor(n, 128 if bm <= 16 else 64)
     # Enough programs to keep every SM streaming: aim for >= ~4 per SM (132 SMs on the H200).
     tiles = -(-m // bm) * (n // bn)
     splits = 1
@@ -266,8 +257,14 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig
     return y[:m] if mp != m else y
 
 
+# --------------------------------------------------------------------------------------------- dispatch
+
 DECODE_MAX_M = 32  # above this, dequant + XLA dot is faster than the kernel (see the module docstring)
-PATHS = ("auto", "kernel", "dequant_dot")
+# path="auto" takes the GEMV kernel up to this M: on the H200 it beats the tensor-core kernel at M = 1 and 2 on
+# every benchmarked shape (int4 8192x28672: 52.5 vs 119 us; lm_head int8: 186 vs 296 us at M = 1) and loses
+# from M = 4 (int4 8192x28672 138 us: each extra token re-does the per-weight multiply-adds on CUDA cores).
+GEMV_AUTO_MAX_M = 2
+PATHS = ("auto", "kernel", "dequant_dot", "gemv")
 
 
 def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -279,23 +276,52 @@ def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return jnp.dot(x.astype(jnp.bfloat16), q * s, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfig | None = None,
+def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfig | GemvConfig | None = None,
                  path: str = "auto") -> jax.Array:
     """y [M, N] = x [M, K] @ dequant(w) [K, N], accumulated in float32, returned in x.dtype.
 
     impl: None (FLASHNEXT_KERNELS, default 'auto'), 'auto', 'pallas', 'interpret' or 'reference'.
     path (kernel impls only): 'auto' (kernel for M <= DECODE_MAX_M and shapes it can tile, else
-    dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take) or 'dequant_dot'. A plain (unquantized) array w always takes the reference path."""
+    dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take), 'dequant_dot' or 'gemv' (the
+    CUDA-core GEMV kernel for M <= GEMV_MAX_M; raises ValueError for shapes it cannot take; config is then a
+    GemvConfig). A plain (unquantized) array w always takes the reference path."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     mode = resolve_impl(impl)
     if mode == "reference" or not isinstance(w, QuantizedWeight):
         return quant_matmul_reference(x, w)
+    if path == "gemv":
+        return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):
         return dequant_dot_xla(x, w)
+    interpret = mode == "interpret"
     if path == "auto":
-        try:
-            check_kernel_shape(x.shape, w)
-        except ValueError:  # a shape the kernel cannot tile (e.g. N % 16): XLA's path still works
+        chosen = dispatch_path(x.shape, w)
+        if chosen == "gemv":
+            return quant_matmul_gemv(x, w, config=config if isinstance(config, GemvConfig) else None,
+                                     interpret=interpret)
+        if chosen == "dequant_dot":
             return dequant_dot_xla(x, w)
-    return quant_matmul_pallas(x, w, config=config, interpret=(mode == "interpret"))
+        config = config if isinstance(config, DenseConfig) else None
+    return quant_matmul_pallas(x, w, config=config, interpret=interpret)
+
+
+def dispatch_path(x_shape, w: QuantizedWeight) -> str:
+    """What quant_matmul(path="auto") runs for x [M, K] @ w on the kernel impls: "gemv", "kernel" or
+    "dequant_dot" (M > DECODE_MAX_M, or a shape neither kernel can take)."""
+    m = x_shape[0]
+    if m <= GEMV_AUTO_MAX_M:
+        try:
+            check_gemv_shape(x_shape, w)
+            k, n = w.k, w.n
+            check_gemv_config(default_gemv_config(m, k, n, w.bits, w.group_size), m, k, n, w.bits, w.group_size)
+            return "gemv"
+        except ValueError:
+            pass
+    if m > DECODE_MAX_M:
+        return "dequant_dot"
+    try:
+        check_kernel_shape(x_shape, w)
+    except ValueError:  # a shape the kernel cannot tile (e.g. N % 16): XLA's path still works
+        return "dequant_dot"
+    return "kernel"

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import initialize, rule, run_state_machine_as_test
 
 import flashnext_jax as fj
 from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.runner import RealRunner
+from state_machine import STEPS, EngineHarness, EngineMachine
 
 MAX_LEN = 64
 PAGE = 8
 SHAPES = dict(min_batch_bucket=4, min_token_bucket=8, min_pool_capacity=(4, 64, 64))  # share compiled steps
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 _STATE: dict = {}
-STEPS = {"n": 0}
 COVER: dict = {}  # machine coverage: preemptions, prefix hits, accepted/rejected drafts, aborts, eos finishes
 
 
@@ -195,107 +195,56 @@ def jnp_nan(a):
 # ------------------------------------------------------------------------------ hypothesis state machine
 
 
-class Harness:
+class RealHarness(EngineHarness):
+    """The engine on the real model with k = 1 MTP; oracle `Model.generate` solo. After the drain, freed slots and
+    pages are poisoned and the machine's coverage (preemptions, prefix hits, drafts, aborts, eos) is counted."""
+
+    vocab, max_prompt, corpus_len, drain_limit = 509, 21, 24, 3000
+
     def __init__(self, D, slots, budget, prefix, block, seed, tight, accept_p):
-        self.rng = random.Random(seed)
+        super().__init__(seed, block, accept_p)
         mml = 32  # prompts <= 21 + outputs <= 10 always fit; a short max_model_len allows a 4-page pool
         mp = mml // PAGE
         pages = mp if tight else mp * slots + mp  # tight: 4 pages for up to 3 requests of <= 4 pages -> preemption
-        self.accept_p, self.seed = accept_p, seed
         self.eng = Engine(runner(1), EngineConfig(
             max_num_seqs=slots, num_slots=slots, max_num_batched_tokens=budget, max_model_len=mml,
             num_speculative_tokens=1, enable_prefix_caching=prefix, block_size=block, page_size=PAGE,
             num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, **SHAPES), draft_hook=self.hook)
-        self.block = block
-        self.corpus = [[self.rng.randrange(1, 509) for _ in range(24)] for _ in range(2)]
-        self.solo: dict[str, list[int]] = {}
-        self.aborted: set[str] = set()
-        self.n = 0
-
-    def hook(self, req, proposed):
-        j = len(req.output)
-        ref = self.solo[req.request_id]
-        r = random.Random(zlib.crc32(f"{self.seed}/{req.request_id}/{j}".encode()))
-        right = ref[j] if j < len(ref) else proposed[0]
-        return [right if r.random() < self.accept_p else (right + 1 + r.randrange(3)) % 509]
 
     def add(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
-        n = max(1, min(21, self.block * m + delta))
-        p = list(self.corpus[corpus][:n])
-        if mutate:
-            p[-1] = (p[-1] + 1) % 509
-        rid = f"r{self.n}"
-        self.n += 1
-        self.solo[rid] = solo(p, max_tokens, stop_at_eos=not ignore_eos)
-        self.eng.add_request(rid, p, fj.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                       ignore_eos=ignore_eos))
+        self.submit(self.prompt(m, delta, corpus, mutate),
+                    fj.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
 
-    def step(self):
-        before = self.eng.counters["steps"]
-        self.eng.step()
-        STEPS["n"] += self.eng.counters["steps"] - before
+    def solo_greedy(self, prompt, params):
+        return solo(prompt, params.max_tokens, stop_at_eos=not params.ignore_eos)
+
+    def check_drained(self):
         for rid, req in self.eng.requests.items():
-            assert req.finish_reason != "error", req.error
-            assert req.output == self.solo[rid][: len(req.output)], f"{rid} diverged from its solo run"
-
-    def abort_some(self, i):
-        live = [r for r in self.eng.requests.values() if not r.finished]
-        if live:
-            r = live[i % len(live)]
-            self.aborted.add(r.request_id)
-            self.eng.abort(r.request_id)
-
-    def drain(self, limit=3000):
-        for _ in range(limit):
-            if not self.eng.has_unfinished():
-                break
-            self.step()
-        assert not self.eng.has_unfinished(), "engine did not drain"
-        for rid, req in self.eng.requests.items():
-            if rid not in self.aborted:
-                assert req.output == self.solo[rid], f"{rid}: {req.output} != solo {self.solo[rid]}"
             m = req.metrics
             for key, hit in (("preempted", m["num_preemptions"] > 0), ("prefix_hit", m["num_cached_tokens"] > 0),
                              ("accepted", m["num_accepted"] > 0), ("rejected", m["num_accepted"] < m["num_drafts"]),
                              ("aborted", rid in self.aborted), ("eos", req.finish_reason == "stop")):
                 COVER[key] = COVER.get(key, 0) + hit
         led = self.eng.ledger
-        led.flush()
         store = led.store
-        assert led.usage()["slots_used"] == 0
         for s in list(led.free_slots) + [store.num_slots]:  # freed and null slots stay poisoned
             assert np.all(np.isnan(np.asarray(store.slot["gdn_rec"][s])))
         for p in led.free_pages:
             assert np.all(np.isnan(np.asarray(store.page["qsa_k"][p])))
 
 
-class RealEngineMachine(RuleBasedStateMachine):
+class RealEngineMachine(EngineMachine):
     @initialize(D=st.integers(0, 3), slots=st.sampled_from([1, 2, 3, 3]), budget=st.integers(2, 8),
                 prefix=st.booleans(), block=st.integers(2, 5), seed=st.integers(0, 2**16),
                 tight=st.sampled_from([False, True, True]),
                 accept_p=st.sampled_from([0.0, 0.5, 0.9]))
     def setup(self, D, slots, budget, prefix, block, seed, tight, accept_p):
-        self.h = Harness(D, slots, budget, prefix, block, seed, tight, accept_p)
+        self.h = RealHarness(D, slots, budget, prefix, block, seed, tight, accept_p)
 
     @rule(m=st.integers(0, 5), delta=st.sampled_from([-1, 0, 0, 1]), corpus=st.integers(0, 1),
           mutate=st.booleans(), max_tokens=st.integers(1, 10), ignore_eos=st.booleans())
     def arrive(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
         self.h.add(m, delta, corpus, mutate, max_tokens, ignore_eos)
-
-    @precondition(lambda self: hasattr(self, "h"))
-    @rule(n=st.integers(1, 4))
-    def run(self, n):
-        for _ in range(n):
-            self.h.step()
-
-    @precondition(lambda self: hasattr(self, "h"))
-    @rule(i=st.integers(0, 7))
-    def abort(self, i):
-        self.h.abort_some(i)
-
-    def teardown(self):
-        if hasattr(self, "h"):
-            self.h.drain()
 
 
 def _machine(examples, steps, derandomize=False):

@@ -235,6 +235,58 @@ def test_prefill_kernel_batch_interpret(decay, beta_mode):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the engine store's layout: one [num_slots, K1, L, Hv, Dk, Dv] leaf for all GDN layers, addressed in place
+# ---------------------------------------------------------------------------------------------------------
+def in_store(rng, state, layer, n_layers=3):
+    """Embed a [ns, K1, Hv, Dk, Dv] case as layer `layer` of an all-layer leaf; other layers random + NaN."""
+    full = rng.standard_normal(state.shape[:2] + (n_layers,) + state.shape[2:]).astype(np.float32)
+    full[::2, :, :] = np.nan  # poison some slots of every layer
+    full[:, :, layer] = state
+    return full
+
+
+def check_other_layers(full_in, full_out, layer):
+    keep = [i for i in range(full_in.shape[2]) if i != layer]
+    np.testing.assert_array_equal(np.asarray(full_out)[:, :, keep], full_in[:, :, keep])
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_decode_addresses_one_layer_of_the_store_leaf(impl):
+    rng = np.random.default_rng(40)
+    c = decode_case(rng, T=2, k1=3)
+    layer = 1
+    full = in_store(rng, c["state"], layer)
+    o, st = ref.recurrent_gated_delta_rule_slots(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], state=jnp.asarray(full), slots=jnp.asarray(c["slots"]),
+        read_col=jnp.asarray(c["read_col"]), scale=SCALE, use_qk_l2norm=True, impl=impl, layer=layer)
+    check_decode(c, o, np.asarray(st)[:, :, layer], 1e-5)
+    check_other_layers(full, st, layer)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_prefill_addresses_one_layer_of_the_store_leaf(impl):
+    rng = np.random.default_rng(41)
+    c = varlen_case(rng, lens=[1, 65, 7], k1=2)
+    layer = 2
+    full = in_store(rng, c["state"], layer)
+    o, st = ref.chunk_gated_delta_rule_varlen(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], cu_seqlens=jnp.asarray(c["cu"]), state=jnp.asarray(full),
+        slots=jnp.asarray(c["slots"]), read_col=jnp.asarray(c["read_col"]),
+        has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE, use_qk_l2norm=True, impl=impl, layer=layer)
+    o = np.array(o)
+    o[0, c["cu"][-1]:] = 0  # unspecified past the last sequence in the Pallas path
+    check_varlen(c, o, np.asarray(st)[:, :, layer], 2e-4)
+    check_other_layers(full, st, layer)
+
+
+def test_layer_needs_the_all_layer_leaf():
+    with pytest.raises(ValueError, match="num_slots, K1, L"):
+        ref.flat_state(jnp.zeros((2, 1, 4, 8, 8)), layer=0)
+    with pytest.raises(ValueError, match="out of range"):
+        ref.flat_state(jnp.zeros((2, 1, 3, 4, 8, 8)), layer=3)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # causal conv1d (kernel 4) + SiLU
 # ---------------------------------------------------------------------------------------------------------
 def np_conv(x, w, init):

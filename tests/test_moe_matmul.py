@@ -1,6 +1,8 @@
 """Grouped MoE (routed experts over stacked int4 experts): Pallas kernels in interpret mode vs the pure-JAX
 reference, odd routings included. Fresh random inputs each run (seed in every failure message)."""
 
+import dataclasses
+import functools
 import os
 
 import jax
@@ -9,9 +11,10 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pallas_kernels import moe_matmul
 from pallas_kernels import quant_layout as ql
-from pallas_kernels.moe_matmul import (MoEConfig, _tile_routing, num_tiles_for, routed_experts,
-                                       routed_experts_pallas, routed_experts_reference)
+from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, _tile_routing, num_tiles_for, routed_experts,
+                                       routed_experts_gemv, routed_experts_pallas, routed_experts_reference)
 
 E, H, I = 8, 256, 128  # real H=2560, I=640 scaled down (H two int4 groups of 128, I one)
 
@@ -115,19 +118,20 @@ def test_switch_runs_the_kernel_under_jit():
                                atol=2e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()), err_msg=f"seed={seed}")
 
 
-def test_clear_errors_for_shapes_the_kernels_cannot_take():
+@pytest.mark.parametrize("entry", [routed_experts_pallas, routed_experts_gemv])
+def test_clear_errors_for_shapes_the_kernels_cannot_take(entry):
     rng, _ = fresh_rng()
     wgu, wd = experts(rng)
     x, wts = inputs(rng, 2, 2)
     ids = jnp.zeros((2, 2), jnp.int32)
     with pytest.raises(ValueError, match="w_down must be"):
-        routed_experts_pallas(x, ids, wts, wgu, wgu, interpret=True)
+        entry(x, ids, wts, wgu, wgu, interpret=True)
     with pytest.raises(ValueError, match="expert_ids"):
-        routed_experts_pallas(x, ids[:1], wts, wgu, wd, interpret=True)
+        entry(x, ids[:1], wts, wgu, wd, interpret=True)
     with pytest.raises(TypeError, match="QuantizedWeight"):
-        routed_experts_pallas(x, ids, wts, ql.dequantize(wgu), wd, interpret=True)
+        entry(x, ids, wts, ql.dequantize(wgu), wd, interpret=True)
     with pytest.raises(ValueError, match="stacked"):
-        routed_experts_pallas(x, ids, wts, wgu[0], wd, interpret=True)
+        entry(x, ids, wts, wgu[0], wd, interpret=True)
 
 
 def test_interpret_mode_poisons_unwritten_outputs():
@@ -141,3 +145,132 @@ def test_interpret_mode_poisons_unwritten_outputs():
                          out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32), interpret=True)()
     out = np.asarray(out)
     assert (out[:8] == 1).all() and np.isnan(out[8:]).all()
+
+
+# ------------------------------------------------------------------------------------------------ GEMV decode path
+
+def check_gemv(x, ids, wts, wgu, wd, seed, config=None, fused_glue=True):
+    config = dataclasses.replace(config or MoEGemvConfig(), fused_glue=fused_glue)
+    got = routed_experts_gemv(x, ids, wts, wgu, wd, config=config, interpret=True)
+    ref = routed_experts_reference(x, ids, wts, wgu, wd)
+    got, ref = np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+    assert got.shape == (x.shape[0], H) and got.dtype == np.float32
+    assert np.isfinite(got).all(), f"NaN / unwritten rows, seed={seed}"
+    err = np.abs(got - ref).max() / (np.abs(ref).max() + 1e-6)
+    assert err < 2e-2, f"max error {err:.2e}, ids={np.asarray(ids).tolist()}, config={config}, seed={seed}"
+
+
+# fused (splits_gate_up = 1: silu(g) * u written by the kernel) and split-K partials; asm and jnp fields (the
+# interpreter runs the jnp formulas for both, the configs still pick different tilings)
+GEMV_CONFIGS = [MoEGemvConfig(),
+                MoEGemvConfig(bn_gate_up=64, splits_gate_up=1, bn_down=64, splits_down=1, rows=8, fields="jnp"),
+                MoEGemvConfig(bn_gate_up=128, splits_gate_up=2, bn_down=128, splits_down=1, unroll=1)]
+# every GEMV test runs both glue modes: fused (the down kernel sums the gate/up splits, applies silu(g) * u and
+# the routing weight; one XLA sum after) and the XLA glue between / after the kernels (the A/B baseline)
+GLUE = pytest.mark.parametrize("fused_glue", [True, False], ids=["fused_glue", "xla_glue"])
+
+
+@GLUE
+@pytest.mark.parametrize("m,k,ci", [(1, 4, 0), (2, 3, 1), (3, 2, 2), (1, 8, 1)])
+def test_gemv_random_routing_matches_reference(m, k, ci, fused_glue):
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, m, k)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(m)]), jnp.int32)
+    check_gemv(x, ids, wts, wgu, wd, seed, GEMV_CONFIGS[ci], fused_glue)
+
+
+@GLUE
+def test_gemv_repeated_experts_one_expert_for_all_and_unused_experts(fused_glue):
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 3, 3)
+    check_gemv(x, jnp.asarray([[5, 5, 1], [2, 2, 2], [0, 5, 0]], jnp.int32), wts, wgu, wd, seed, None, fused_glue)
+    check_gemv(x, jnp.full((3, 3), E - 1, jnp.int32), wts, wgu, wd, seed, GEMV_CONFIGS[1],  # 0..E-2 unused
+               fused_glue)
+    x2, wts2 = inputs(rng, 2, 2)
+    check_gemv(x2, jnp.asarray([[0, E - 1], [E - 1, 0]], jnp.int32), wts2, wgu, wd, seed, GEMV_CONFIGS[2],
+               fused_glue)
+
+
+@GLUE
+@pytest.mark.parametrize("bits,m,splits_gate_up", [(4, 3, 1), (6, 2, 0), (8, 1, 0)])
+def test_gemv_group64_experts_split_down(bits, m, splits_gate_up, fused_glue):
+    """Group 64: the down kernel has two K groups, so its split-K (auto: 2) runs; gate/up auto splits = 4."""
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng, bits=bits, group=64)
+    x, wts = inputs(rng, m, 2)
+    ids = jnp.asarray([[1, 6], [6, 3], [3, 3]][:m], jnp.int32)
+    cfg = MoEGemvConfig(bn_gate_up=64, splits_gate_up=splits_gate_up, bn_down=64, rows=8)
+    assert moe_matmul.check_moe_gemv(x.shape, ids.shape, wgu, wd, cfg)[3] == 2
+    check_gemv(x, ids, wts, wgu, wd, seed, cfg, fused_glue)
+
+
+@pytest.mark.parametrize("act_splits", [2, 3])
+def test_fused_down_loader_rounds_the_activation_like_the_reference(act_splits):
+    """The down kernel fed the gate/up fp32 partials must compute bit for bit what it computes from the
+    activation the reference formula makes of them (splits summed in order, silu(g) * u, rounded to bf16)."""
+    rng, seed = fresh_rng()
+    _, wd = experts(rng, bits=8, group=64)
+    m, k = 2, 3
+    parts = jnp.asarray(rng.standard_normal((act_splits, m * k, 2, I)) * 2, jnp.float32)
+    gsum = functools.reduce(jnp.add, list(parts))  # split 0 + split 1 + ..., the loader's order
+    act = (jax.nn.silu(gsum[:, 0]) * gsum[:, 1]).astype(jnp.bfloat16)  # as in routed_experts_reference
+    ids = jnp.asarray([1, 6, 6, 3, 0, 7], jnp.int32)
+    wts = jnp.asarray(rng.uniform(0.1, 1.0, m * k), jnp.float32)
+    opts = moe_matmul._gemv_call_options(MoEGemvConfig(rows=8), interpret=True)
+    fused, plain = (np.asarray(moe_matmul._gemv_down(h, ids, wts, wd, 64, 2, jnp.bfloat16, opts, k=k))
+                    for h in (parts, act))
+    assert fused.shape == (m, 2 * k, H) and np.isfinite(plain).all()
+    np.testing.assert_array_equal(fused, plain, err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("splits_gate_up", [1, 2])
+def test_fused_glue_leaves_one_xla_op_and_none_between_the_kernels(splits_gate_up):
+    """The jaxpr of the fused path: the gate/up output goes straight into the down kernel, and after it only
+    the sum over (splits, k) and the cast run (no weighting, no dot, no activation)."""
+    rng, _ = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 2, 3)
+    ids = jnp.asarray([[1, 4, 5], [4, 7, 0]], jnp.int32)
+    cfg = MoEGemvConfig(splits_gate_up=splits_gate_up, fused_glue=True)
+    eqns = jax.make_jaxpr(lambda *a: routed_experts_gemv(*a, config=cfg, interpret=True))(
+        x, ids, wts, wgu, wd).jaxpr.eqns
+    calls = [i for i, e in enumerate(eqns) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 2
+    gate_up, down = eqns[calls[0]], eqns[calls[1]]
+    assert down.invars[1] is gate_up.outvars[0]
+    assert [e.primitive.name for e in eqns[calls[1] + 1:]] == ["reduce_sum", "convert_element_type"]
+
+
+def test_auto_path_takes_gemv_for_few_pairs_and_tiles_above(monkeypatch):
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 2, 2)
+    ids = jnp.asarray([[1, 4], [4, 7]], jnp.int32)
+    calls = []
+    real_gemv, real_tiles = moe_matmul.routed_experts_gemv, moe_matmul.routed_experts_pallas
+    monkeypatch.setattr(moe_matmul, "routed_experts_gemv", lambda *a, **k: calls.append("gemv") or real_gemv(*a, **k))
+    monkeypatch.setattr(moe_matmul, "routed_experts_pallas",
+                        lambda *a, **k: calls.append("tiles") or real_tiles(*a, **k))
+    ref = np.asarray(routed_experts_reference(x, ids, wts, wgu, wd), np.float32)
+    for path, want in [("auto", "gemv"), ("tiles", "tiles"), ("gemv", "gemv")]:
+        got = np.asarray(routed_experts(x, ids, wts, wgu, wd, impl="interpret", path=path), np.float32)
+        assert calls[-1] == want
+        np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max(), err_msg=f"seed={seed}")
+    monkeypatch.setattr(moe_matmul, "MOE_GEMV_MAX_PAIRS", 3)  # 4 pairs: above the threshold
+    routed_experts(x, ids, wts, wgu, wd, impl="interpret")
+    assert calls[-1] == "tiles"
+    with pytest.raises(ValueError, match="path"):
+        routed_experts(x, ids, wts, wgu, wd, impl="interpret", path="nope")
+
+
+def test_gemv_clear_errors():
+    rng, _ = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 2, 2)
+    ids = jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="splits=3"):
+        routed_experts_gemv(x, ids, wts, wgu, wd, config=MoEGemvConfig(splits_gate_up=3), interpret=True)
+    with pytest.raises(ValueError, match="rows=128"):
+        routed_experts_gemv(x, ids, wts, wgu, wd, config=MoEGemvConfig(rows=128), interpret=True)

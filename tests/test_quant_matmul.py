@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quant_layout as ql
+from pallas_kernels import quant_gemv as qg
+from pallas_kernels import quant_matmul as qm
 from pallas_kernels.kernel_switch import resolve_impl, use_pallas
+from pallas_kernels.quant_gemv import (GemvConfig, check_gemv_config, default_gemv_config, gemv_layout,
+                                       quant_matmul_gemv)
 from pallas_kernels.quant_matmul import (DenseConfig, check_kernel_shape, default_config, quant_matmul,
                                          quant_matmul_pallas, quant_matmul_reference)
 
@@ -259,3 +263,193 @@ def test_auto_path_falls_back_for_untileable_shapes_but_kernel_path_raises():
     assert_close_to_reference(quant_matmul(x, w, impl="interpret"), x, w, seed)
     with pytest.raises(ValueError, match="multiple of 16"):
         quant_matmul(x, w, impl="interpret", path="kernel")
+
+
+# ------------------------------------------------------------------------------------------------ GEMV path
+
+def _ptx_run(asm: str, operands: dict) -> dict:
+    """A tiny interpreter for the PTX subset of the GEMV field extractors (uint32 numpy lanes), so their bit
+    logic is checked on the CPU (the kernel runs them only on the GPU; interpret mode runs _fields_jnp)."""
+    regs = dict(operands)
+
+    def val(tok):
+        tok = tok.strip()
+        if tok.startswith("0x"):
+            return np.uint32(int(tok, 16))
+        if tok.lstrip("-").isdigit():
+            return np.uint32(int(tok))
+        return regs[tok]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b64":
+            dst, src = rest.split(",", 1)
+            lo, hi = [t.strip() for t in src.strip().strip("{}").split(",")]
+            regs[dst.strip()] = (regs[lo].astype(np.uint64), regs[hi].astype(np.uint64))
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        d, srcs = args[0], [val(a) for a in args[1:]]
+        with np.errstate(over="ignore"):
+            if op == "shl.b32":
+                r = srcs[0] << srcs[1]
+            elif op == "shr.u32":
+                r = srcs[0] >> srcs[1]
+            elif op == "and.b32":
+                r = srcs[0] & srcs[1]
+            elif op == "xor.b32":
+                r = srcs[0] ^ srcs[1]
+            elif op == "lop3.b32":
+                a, b, c, lut = srcs
+                r = np.zeros_like(a | b | c)
+                for bit in range(8):
+                    if (int(lut) >> bit) & 1:
+                        ta = a if bit & 4 else ~a
+                        tb = b if bit & 2 else ~b
+                        tc = c if bit & 1 else ~c
+                        r |= ta & tb & tc
+            elif op == "prmt.b32":
+                a, b, sel = srcs
+                pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+                pool = [np.broadcast_to(p, np.broadcast(a, b).shape).astype(np.uint32) for p in pool]
+                r = sum(pool[(int(sel) >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4))
+            else:
+                raise AssertionError(f"unexpected PTX op {op}")
+        regs[d] = np.asarray(r, np.uint32)
+    return regs
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_gemv_ptx_field_extractors_match_the_jnp_formulas(bits):
+    """The inline PTX (4 packed bytes per 32-bit register) gives the same fp32 bit patterns as _fields_jnp for
+    random words, and those are exactly offset + q."""
+    rng, seed = fresh_rng()
+    n_args = 3 if bits == 6 else 1
+    words = [rng.integers(0, 1 << 32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(n_args)]
+    words[0][:256] = np.arange(256, dtype=np.uint32) * 0x01010101  # every byte value in every lane
+    calls = {4: (qg._ASM4,), 8: (qg._ASM8,), 6: qg._ASM6}[bits]
+    first_in = 8 if bits == 8 else 4
+    ptx_fields = []  # [field][lane] -> uint32 array over words
+    for asm in calls:
+        regs = _ptx_run(asm, {f"${first_in + i}": w for i, w in enumerate(words)} if bits != 8
+                        else {"$4": words[0]})
+        outs = [regs[f"${i}"] for i in range(4)]
+        if bits == 8:
+            ptx_fields.append(outs)
+        else:
+            ptx_fields.append([o[0].astype(np.uint32) for o in outs])
+            ptx_fields.append([o[1].astype(np.uint32) for o in outs])
+    _, _, slots = gemv_layout(bits, 64)
+    for lane in range(4):
+        raws = [jnp.asarray(((w >> np.uint32(8 * lane)) & 0xFF).astype(np.uint8)) for w in words]
+        if bits == 8:  # the int8 plane's dtype
+            raws = [jax.lax.bitcast_convert_type(r, jnp.int8) for r in raws]
+        want = [np.asarray(f) for f in qg._fields_jnp(bits, raws)]
+        assert len(want) == len(ptx_fields) == len(slots)
+        for s, (w, got) in enumerate(zip(want, ptx_fields)):
+            np.testing.assert_array_equal(got[lane], w, err_msg=f"{bits}-bit slot {s} lane {lane} seed={seed}")
+        # the fp32 value of each field is offset + q
+        b = [np.asarray(r).astype(np.int32) & 0xFF for r in raws]
+        if bits == 8:
+            qs = [np.where(b[0] >= 128, b[0] - 256, b[0])]
+        elif bits == 4:
+            nib = [b[0] & 15, b[0] >> 4]
+            qs = [np.where(v >= 8, v - 16, v) for v in nib]
+        else:
+            a, bb, p = b
+            hs = [(p >> (2 * s)) & 3 for s in range(4)]
+            hs = [np.where(h >= 2, h - 4, h) for h in hs]
+            ls = [a & 15, bb & 15, a >> 4, bb >> 4]
+            qs = [16 * h + l for h, l in zip(hs, ls)]
+        for (_, off), w, q in zip(slots, want, qs):
+            np.testing.assert_array_equal(w.view(np.float32) - off, q.astype(np.float32))
+
+
+GEMV_SHAPES = {(4, 128): (512, 256), (6, 64): (384, 128), (8, 64): (256, 192), (8, 128): (640, 512)}
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_matches_reference(bits, group, m):
+    """Real K/N structure scaled down; M odd: explicit split-K > 1 tiling, M even: split-K 1 (y written in
+    x.dtype by the kernel); NaN-poisoned outputs (interpret mode) would fail the finiteness check."""
+    rng, seed = fresh_rng()
+    k, n = GEMV_SHAPES[(bits, group)]
+    _, _, w = random_weight(rng, k, n, bits, group, dtype=np.float16 if bits != 8 else jnp.bfloat16)
+    x = random_x(rng, m, k)
+    _, space, _ = gemv_layout(bits, group)
+    if m % 2:
+        cfg = GemvConfig(bn=64, splits=(k // group) // (2 if (k // group) % 2 == 0 else 1) or 1,
+                         rows=min(8, space), unroll=1, fields="jnp" if m == 3 else "asm")
+    else:
+        cfg = GemvConfig(bn=ql.pow2_divisor(n, 128), splits=1, rows=min(16, space),
+                         unroll=2 if (k // group) % 2 == 0 else 1)
+    y = quant_matmul_gemv(x, w, config=cfg, interpret=True)
+    assert y.dtype == x.dtype and y.shape == (m, n)
+    assert_close_to_reference(y, x, w, seed)
+
+
+def test_gemv_float32_activations_are_accurate_at_every_width():
+    """fp32 x and output: the offset-binary fields keep ~1e-5 relative accuracy (the tolerance is 1e-4)."""
+    rng, seed = fresh_rng()
+    for bits, group in [(4, 128), (6, 64), (8, 128)]:
+        _, _, w = random_weight(rng, 2 * group * 2, 128, bits, group)
+        x = random_x(rng, 2, 2 * group * 2, jnp.float32)
+        y = quant_matmul_gemv(x, w, config=GemvConfig(bn=64, splits=2), interpret=True)
+        assert y.dtype == jnp.float32
+        assert_close_to_reference(y, x, w, f"{seed} bits={bits}", rtol=1e-4)
+
+
+def test_gemv_default_configs_tile_the_real_shapes():
+    for k, n, bits, g in [(8192, 28672, 4, 128), (2560, 248320, 8, 128), (2560, 10240, 6, 64),
+                          (6144, 2560, 6, 64), (10240, 320, 8, 64), (320, 10240, 8, 64), (2560, 1280, 4, 128)]:
+        for m in (1, 2, 3, 4, 8):
+            cfg = default_gemv_config(m, k, n, bits, g)
+            check_gemv_config(cfg, m, k, n, bits, g)
+            assert (n // cfg.bn) * cfg.splits >= min(528, (n // cfg.bn) * (k // g))
+
+
+def test_gemv_forced_through_quant_matmul_under_jit():
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 256, 64, 4, 128)
+    x = random_x(rng, 2, 256)
+    y = jax.jit(lambda x, w: quant_matmul(x, w, impl="interpret", path="gemv"))(x, w)
+    assert_close_to_reference(y, x, w, seed)
+
+
+def test_gemv_clear_errors():
+    rng, _ = fresh_rng()
+    _, _, w = random_weight(rng, 256, 64, 4, 128)
+    with pytest.raises(ValueError, match="M <= 8"):
+        quant_matmul(random_x(rng, 9, 256), w, impl="interpret", path="gemv")
+    with pytest.raises(ValueError, match="K=128"):
+        quant_matmul_gemv(random_x(rng, 1, 128), w, interpret=True)
+    _, _, w40 = random_weight(rng, 128, 40, 8, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_matmul_gemv(random_x(rng, 1, 128), w40, interpret=True)
+    x = random_x(rng, 1, 256)
+    for cfg, msg in [(GemvConfig(bn=48), "bn=48"), (GemvConfig(splits=3), "splits=3"),
+                     (GemvConfig(rows=128), "rows=128"), (GemvConfig(bn=16, rows=4), "packs 4 bytes"),
+                     (GemvConfig(fields="ptx"), "fields"), (GemvConfig(splits=1, unroll=3), "unroll=3")]:
+        with pytest.raises(ValueError, match=msg):
+            quant_matmul_gemv(x, w, config=cfg, interpret=True)
+    _, _, w3 = random_weight(rng, 256, 32, 4, 128, lead=(2,))
+    with pytest.raises(ValueError, match="2-D"):
+        quant_matmul_gemv(x, w3, interpret=True)
+
+
+def test_auto_dispatch_takes_gemv_for_one_or_two_tokens_then_the_tensor_core_kernel(monkeypatch):
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 256, 64, 4, 128)
+    assert [qm.dispatch_path((m, 256), w) for m in (1, 2, 3, 32, 33)] == [
+        "gemv", "gemv", "kernel", "kernel", "dequant_dot"]
+    _, _, w40 = random_weight(rng, 128, 40, 8, 64)  # N = 40: neither kernel tiles it
+    assert qm.dispatch_path((1, 128), w40) == "dequant_dot"
+    calls = []
+    real = qm.quant_matmul_gemv
+    monkeypatch.setattr(qm, "quant_matmul_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = random_x(rng, 2, 256)
+    assert_close_to_reference(quant_matmul(x, w, impl="interpret"), x, w, seed)
+    assert calls, "path='auto' at M = 2 must run the GEMV kernel"
