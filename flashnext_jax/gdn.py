@@ -17,6 +17,8 @@ matmuls: FLASHNEXT_KERNELS=auto|pallas|interpret|reference, see pallas_kernels/k
     chunked kernel (`chunk_gated_delta_rule`), T <= 4 without checkpoints and the checkpoint tail = the slot decode
     kernel (`recurrent_gated_delta_rule_slots`) on a fresh [B, T|K1, Hv, Dk, Dv] state array whose column 0 holds
     the starting state (slots = arange(B)): it writes the state after token t to column t.
+  * the engine (`RealRunner.step`) on the kernel path passes a `StoreRecState` instead of a state: the kernels read
+    and write the store's all-layer leaf by (slot, column, layer) in place (`delta_rule_in_store`).
 The causal conv is XLA on every path (a memory-bound multiply-add; the Pallas decode conv is not used yet).
 """
 
