@@ -137,28 +137,33 @@ class Sweep:
             ws, xs, ref = self.dense_data(name, k, n, bits, g, max_rotate, m)
             r = len(ws)
             f = jax.jit(lambda xs, ws: [quant_matmul_gemv(xs[i], ws[i], config=cfg) for i in range(r)])
-            t = time.perf_counter()
-            outs = jax.block_until_ready(f(xs, ws))
-            row["compile_run_s"] = time.perf_counter() - t
-            y = outs[0].astype(jnp.float32)
-            err = float(jnp.max(jnp.abs(y - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-            row["rel_err"] = err
-            if not math.isfinite(err) or err > MAX_REL_ERR:
-                row["error"] = f"wrong result: rel_err {err:.3e} > {MAX_REL_ERR}"
-            else:
-                dev, top = device_time(f, xs, ws, reps=self.args.reps)
-                if dev is None:
-                    raise RuntimeError("no device events in the profile")
-                per = dev / r
-                b = ws[0].source_bytes
-                row.update(rotate=r, us=per * 1e6, source_bytes=b, bytes_per_s=b / per,
-                           frac_copy_bw=b / per / self.copy_bw, programs=(n // cfg.bn) * cfg.splits,
-                           kernels_us={kk: v / r * 1e6 for kk, v in top.items()})
+            if self.check_and_time(row, f, (xs, ws), ref, r, ws[0].source_bytes):
+                row["programs"] = (n // cfg.bn) * cfg.splits
         except Exception as ex:  # noqa: BLE001 - a lowering or compile error: report it and go on
             row["error"] = f"{type(ex).__name__}: {str(ex)[:600]}"
             traceback.print_exc(limit=2)
         self.report(row)
         return row
+
+    def check_and_time(self, row, f, args, ref, r, nbytes) -> bool:
+        """Run f (r calls in one program) once, check its first output against ref (a wrong result is reported,
+        not timed), then time it from the profiler trace. Fills row; True when it was timed."""
+        t = time.perf_counter()
+        outs = jax.block_until_ready(f(*args))
+        row["compile_run_s"] = time.perf_counter() - t
+        y = outs[0].astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(y - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
+        row["rel_err"] = err
+        if not math.isfinite(err) or err > MAX_REL_ERR:
+            row["error"] = f"wrong result: rel_err {err:.3e} > {MAX_REL_ERR}"
+            return False
+        dev, top = device_time(f, *args, reps=self.args.reps)
+        if dev is None:
+            raise RuntimeError("no device events in the profile")
+        per = dev / r
+        row.update(rotate=r, us=per * 1e6, source_bytes=nbytes, bytes_per_s=nbytes / per,
+                   frac_copy_bw=nbytes / per / self.copy_bw, kernels_us={kk: v / r * 1e6 for kk, v in top.items()})
+        return True
 
     # ------------------------------------------------------------------------------------------- MoE
     def moe_data(self, m):
@@ -190,22 +195,7 @@ class Sweep:
             r = xs.shape[0]
             f = jax.jit(lambda xs, ids, wts, wgu, wd: [
                 routed_experts_gemv(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
-            t = time.perf_counter()
-            outs = jax.block_until_ready(f(xs, ids, wts, wgu, wd))
-            row["compile_run_s"] = time.perf_counter() - t
-            y = outs[0].astype(jnp.float32)
-            err = float(jnp.max(jnp.abs(y - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-            row["rel_err"] = err
-            if not math.isfinite(err) or err > MAX_REL_ERR:
-                row["error"] = f"wrong result: rel_err {err:.3e} > {MAX_REL_ERR}"
-            else:
-                dev, top = device_time(f, xs, ids, wts, wgu, wd, reps=self.args.reps)
-                if dev is None:
-                    raise RuntimeError("no device events in the profile")
-                per = dev / r
-                row.update(rotate=r, us=per * 1e6, source_bytes=nbytes, bytes_per_s=nbytes / per,
-                           frac_copy_bw=nbytes / per / self.copy_bw,
-                           kernels_us={kk: v / r * 1e6 for kk, v in top.items()})
+            self.check_and_time(row, f, (xs, ids, wts, wgu, wd), ref, r, nbytes)
         except Exception as ex:  # noqa: BLE001
             row["error"] = f"{type(ex).__name__}: {str(ex)[:600]}"
             traceback.print_exc(limit=2)

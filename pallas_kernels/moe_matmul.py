@@ -21,14 +21,14 @@ from the [M*k] int32 ids), with quant_gemv.gemv_accumulate (the dense GEMV's inn
    its K range in one loop (both tiles' bytes in flight together). S = 1: h = silu(g) * u fused and written
    in x.dtype; S > 1: fp32 partials [S, P, 2, I] (gate, up).
 2. down kernel, grid (pair, H/BN, split-K): h[p] @ w_down[e] in fp32. With MoEGemvConfig.fused_glue (off by
-   default until a GPU A/B has measured it) its x-loader reads the S partials itself: for the [rows] slice of h it is about to multiply it
-   loads the S gate and S up values, sums them (split 0 first) and applies silu(g) * u rounded to x.dtype,
-   the reference's formula; the output tile is multiplied by the pair's routing weight and written
-   token-major, y [M, splits * k, H].
+   default until a GPU A/B has measured it) its x-loader reads the S partials itself: for the [rows] slice of h
+   it is about to multiply it loads the S gate and S up values, sums them (split 0 first) and applies
+   silu(g) * u rounded to x.dtype, the reference's formula; the output tile is multiplied by the pair's
+   routing weight and written token-major, y [M, splits * k, H].
 3. XLA: out = y.sum(axis=1).astype(x.dtype), one reduce fusion (it can also fuse into the caller's residual
-   add). fused_glue=False (the default, the measured path) keeps the XLA glue: XLA sums the S partials and applies silu(g) * u
-   between the kernels, the down kernel writes unweighted [splits, P, H], and XLA contracts it with the
-   weights (reduce over splits, dot_general over k, cast).
+   add). fused_glue=False (the default, the measured path) keeps the XLA glue: XLA sums the S partials and
+   applies silu(g) * u between the kernels, the down kernel writes unweighted [splits, P, H], and XLA
+   contracts it with the weights (reduce over splits, dot_general over k, cast).
 Combine choice: (a) weighted fp32 partials + one XLA reduction, over (b) pl.atomic_add into a zeroed fp32
 [M, H] (atomics do run in interpret mode): (b) needs a zero fill before and a cast after, two ops against
 one, and its fp32 sum order would change from run to run.
@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_layout
+from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_call_options, gemv_layout
 from pallas_kernels.quant_layout import QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl
 from pallas_kernels.quant_matmul import _plane_slots, group_dot, pl_triton
 
@@ -422,17 +422,6 @@ def _full_spec3(a):
     return pl.BlockSpec(a.shape, lambda p, j, s: (0,) * nd)
 
 
-def _gemv_call_options(cfg: MoEGemvConfig, interpret: bool) -> dict:
-    """pallas_call compiler params + the kernel options both GEMV kernels share (GPU-only features off in the
-    interpreter)."""
-    params = None
-    if not interpret and pl_triton is not None:
-        params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return {"params": params, "interpret": interpret, "rows": cfg.rows,
-            "kernel": {"use_asm": cfg.fields == "asm" and not interpret, "unroll": cfg.unroll,
-                       "sync_loads": cfg.sync_loads and not interpret}}
-
-
 def _gemv_gate_up(x, ids, k: int, w: QuantizedWeight, bn: int, splits: int, opts: dict) -> jax.Array:
     """The gate/up kernel: h = silu(g) * u [P, I] in x.dtype when splits == 1, else fp32 partials
     [splits, P, 2, I] (gate, up)."""
@@ -504,7 +493,7 @@ def routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up: QuantizedWeigh
     m, h = x.shape
     k = expert_ids.shape[1]
     ids = expert_ids.reshape(m * k).astype(jnp.int32)
-    opts = _gemv_call_options(cfg, interpret)
+    opts = gemv_call_options(cfg, interpret)
     gu = _gemv_gate_up(x, ids, k, w_gate_up, bn1, s1, opts)
     if cfg.fused_glue:
         wts = expert_weights.reshape(m * k).astype(jnp.float32)

@@ -196,7 +196,8 @@ def gemv_accumulate(accs, n_steps, step, load_x, load_plane, load_scale, *, bits
     step(t) -> (g, ctx): the group index (plane rows, x columns) and loader context of step t (traced).
     load_plane(ctx, tile, plane, row0, nrows) -> [nrows, BN] packed bytes; load_x(ctx, m, col0, n) -> [n]
     activations of token m (any float dtype); load_scale(ctx, tile, g) -> [1, BN] float32 (a 2-D load: the
-    row layout of the tiles, no layout conversion; any extra per-column factor may be folded in). All tiles share x. unroll: steps per loop iteration (all loads first; 1 when it
+    row layout of the tiles, no layout conversion; any extra per-column factor may be folded in). All tiles
+    share x. unroll: steps per loop iteration (all loads first; 1 when it
     does not divide n_steps); prefetch: carry the next step's raw bytes through the loop instead; sync_loads:
     a CTA barrier after each iteration's loads (GPU only). Returns the updated accs."""
     loads, space, slots = gemv_layout(bits, group_size)
@@ -339,6 +340,17 @@ def default_gemv_config(m: int, k: int, n: int, bits: int, group_size: int,
     return GemvConfig(bn=bn, splits=splits, rows=rows, num_warps=warps, fields=fields)
 
 
+def gemv_call_options(cfg, interpret: bool) -> dict:
+    """pallas_call compiler params + the kernel options every GEMV kernel takes from its config (GemvConfig or
+    moe_matmul.MoEGemvConfig), with the GPU-only features (inline PTX, load barrier) off in the interpreter."""
+    params = None
+    if not interpret and pl_triton is not None:
+        params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return {"params": params, "interpret": interpret, "rows": cfg.rows,
+            "kernel": {"use_asm": cfg.fields == "asm" and not interpret, "unroll": cfg.unroll,
+                       "sync_loads": cfg.sync_loads and not interpret}}
+
+
 def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight, *, config: GemvConfig | None = None,
                       interpret: bool = False) -> jax.Array:
     """y [M, N] = x @ dequant(w) with the CUDA-core GEMV kernel (M <= GEMV_MAX_M); ValueError otherwise."""
@@ -360,17 +372,13 @@ def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight, *, config: GemvConfig | 
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((m, cfg.bn), lambda j, s: (0, j))
+    opts = gemv_call_options(cfg, interpret)
     kernel = functools.partial(
         _gemv_kernel, bits=w.bits, group_size=g, n_planes=len(planes), m=m,
-        groups_per_split=n_groups // cfg.splits, rows=cfg.rows,
-        use_asm=(cfg.fields == "asm" and not interpret), unroll=cfg.unroll, prefetch=cfg.prefetch,
-        sync_loads=(cfg.sync_loads and not interpret))
-    params = None
-    if not interpret and pl_triton is not None:
-        params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        groups_per_split=n_groups // cfg.splits, rows=opts["rows"], prefetch=cfg.prefetch, **opts["kernel"])
     y = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
-        interpret=interpret, compiler_params=params,
+        interpret=interpret, compiler_params=opts["params"],
         name=f"quant_gemv_w{w.bits}g{g}_m{m}_bn{cfg.bn}_s{cfg.splits}_r{cfg.rows}_u{cfg.unroll}_{cfg.fields}",
     )(x, *planes, w.scales)
     if split_out:

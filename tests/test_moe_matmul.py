@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import moe_matmul
 from pallas_kernels import quant_layout as ql
+from pallas_kernels.quant_gemv import gemv_call_options
 from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, _tile_routing, num_tiles_for, routed_experts,
                                        routed_experts_gemv, routed_experts_pallas, routed_experts_reference)
 
@@ -218,7 +219,7 @@ def test_fused_down_loader_rounds_the_activation_like_the_reference(act_splits):
     act = (jax.nn.silu(gsum[:, 0]) * gsum[:, 1]).astype(jnp.bfloat16)  # as in routed_experts_reference
     ids = jnp.asarray([1, 6, 6, 3, 0, 7], jnp.int32)
     wts = jnp.asarray(rng.uniform(0.1, 1.0, m * k), jnp.float32)
-    opts = moe_matmul._gemv_call_options(MoEGemvConfig(rows=8), interpret=True)
+    opts = gemv_call_options(MoEGemvConfig(rows=8), interpret=True)
     fused, plain = (np.asarray(moe_matmul._gemv_down(h, ids, wts, wd, 64, 2, jnp.bfloat16, opts, k=k))
                     for h in (parts, act))
     assert fused.shape == (m, 2 * k, H) and np.isfinite(plain).all()
