@@ -120,7 +120,24 @@ def copy_bandwidth():
     return 2 * x.nbytes / statistics.median(ts)
 
 
-def run(cfg, params, bsz, context, steps, key):
+def fusion_bodies(hlo: str, names, max_chars=1500):
+    """For each kernel name of the profile, the fused computation XLA emitted for it (op lines, truncated), so a
+    slow XLA fusion can be traced back to the model code that produced it."""
+    out = {}
+    for name in names:
+        alias = "(" + re.escape(name) + "|" + re.escape(re.sub(r"_(\d+)$", r".\1", name)) + ")"
+        m = re.search(r"%" + alias + r" = [^\n]*calls=(%[\w.\-]+)", hlo)
+        if not m:
+            continue
+        body = re.search(re.escape(m.group(2)) + r" [^\n]*\{\n(.*?)\n\}", hlo, re.S)
+        lines = [ln.strip() for ln in (body.group(1).splitlines() if body else [])]
+        meta = re.findall(r'op_name="([^"]+)"', body.group(1) if body else "")
+        out[name] = {"ops": "\n".join(re.sub(r", metadata=\{.*", "", ln) for ln in lines)[:max_chars],
+                     "op_names": sorted(set(meta))[:12]}
+    return out
+
+
+def run(cfg, params, bsz, context, steps, key, hlo=True):
     dtype = jnp.bfloat16
     state = init_state(cfg, bsz, context + 64, dtype)
     n_ple = len(cfg.ple_layers)
@@ -146,7 +163,26 @@ def run(cfg, params, bsz, context, steps, key):
             logits, state = step(params, batches[i % len(batches)], state)
         jax.block_until_ready(logits)
         ts.append((time.perf_counter() - t0) / steps)
-    return statistics.median(ts), compile_s
+    profile = None
+    if not SMOKE:  # where the device time goes: summed kernel durations per step, the largest kernels by name
+        from bench.quant_matmul import device_time
+
+        def one_step():
+            nonlocal state
+            out, state = step(params, batches[0], state)
+            return out
+        dev, top = device_time(one_step, reps=3, top=25)
+        if dev:
+            profile = {"device_ms_per_step": dev * 1e3,
+                       "top_kernels_ms_per_step": {k: v * 1e3 for k, v in top.items()}}
+        if dev and hlo:  # compiles the step once more (~1 min at real size)
+            text = step.lower(params, batches[0], state).compile().as_text()
+            profile["top_kernels_hlo"] = fusion_bodies(text, list(top)[:8])
+            if os.environ.get("OUT"):  # the whole optimized HLO, to read the fusions offline
+                import gzip
+                with gzip.open(os.path.join(os.environ["OUT"], f"decode_step_b{bsz}.hlo.txt.gz"), "wt") as fh:
+                    fh.write(text)
+    return statistics.median(ts), compile_s, profile
 
 
 def main():
@@ -156,6 +192,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-hlo", action="store_true", help="skip the HLO of the top kernels (saves a compile)")
     args = ap.parse_args()
     with open(DEMO_CONFIG if SMOKE else REAL_CONFIG) as f:
         hf = json.load(f)
@@ -180,15 +217,17 @@ def main():
         row = dict(batch=bsz, context=context, experts_kept=experts, weight_bytes_per_step=step_bytes,
                    floor_ms=step_bytes / bw * 1e3)
         try:
-            t, compile_s = run(cfg, params, bsz, context, 2 if SMOKE else args.steps, jax.random.key(bsz))
+            t, compile_s, profile = run(cfg, params, bsz, context, 2 if SMOKE else args.steps, jax.random.key(bsz),
+                                        hlo=not args.no_hlo)
             row.update(ms_per_step=t * 1e3, tokens_per_s=bsz / t, frac_of_floor=step_bytes / bw / t,
-                       compile_s=compile_s)
+                       compile_s=compile_s, **(profile or {}))
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:400]
         print(row, flush=True)
         rows.append(row)
     out = dict(device=dev.device_kind, jax_version=jax.__version__, copy_bw_bytes_per_s=bw,
-               kernels=os.environ.get("FLASHNEXT_KERNELS", "auto"), smoke=SMOKE,
+               kernels=os.environ.get("FLASHNEXT_KERNELS", "auto"), xla_flags=os.environ.get("XLA_FLAGS", ""),
+               smoke=SMOKE,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
     path = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), "decode_step.json")
     with open(path, "w") as f:

@@ -62,7 +62,7 @@ def timeit(fn, *args, reps=9, warmup=2):
 _LINES_SHOWN = []
 
 
-def device_time(fn, *args, reps=5):
+def device_time(fn, *args, reps=5, top=6):
     """GPU time of one program: sum of the durations of every kernel it launched (kernels + XLA glue),
     read from the profiler's device trace, averaged over reps. Excludes host launch gaps between kernels,
     which a jitted decode step hides by dispatching ahead (and which XLA's thunk launches add here)."""
@@ -89,7 +89,7 @@ def device_time(fn, *args, reps=5):
                 names[key] = names.get(key, 0.0) + ev.duration_ns
     if total == 0.0:
         return None, {}
-    return total * 1e-9 / reps, {k: v * 1e-9 / reps for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:6]}
+    return total * 1e-9 / reps, {k: v * 1e-9 / reps for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def measure(fn, *args, n_calls):
@@ -140,7 +140,9 @@ def bench_dense(name, k, n, bits, group, m, copy_bw, cfg=None, baselines=True, m
     wbytes = w1.source_bytes
     r = int(min(max_rotate, max(2, math.ceil(ROTATE_BYTES / wbytes))))
     ws = [random_qweight(jax.random.fold_in(key, i), (), k, n, bits, group) for i in range(r)]
-    xs = jax.random.normal(jax.random.fold_in(key, 999), (r, m, k), jnp.float32).astype(jnp.bfloat16)
+    # separate arrays, not slices of one stacked array: XLA would add a copy kernel per slice
+    xs = [jax.random.normal(jax.random.fold_in(key, 999 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
+          for i in range(r)]
     path = dispatch_path((m, k), w1)
     if path == "gemv":  # what quant_matmul(path="auto") runs at this M
         cfg = cfg or default_gemv_config(m, k, n, bits, group)
@@ -156,7 +158,7 @@ def bench_dense(name, k, n, bits, group, m, copy_bw, cfg=None, baselines=True, m
     if baselines:
         rb = int(min(max_rotate, max(2, math.ceil(ROTATE_BYTES / (2 * k * n)))))
         wb = [bf16_equiv(ws[i % r]) for i in range(rb)]
-        xb = xs[np.arange(rb) % r]
+        xb = [xs[i % r] for i in range(rb)]
         fb = jax.jit(lambda xs, ws: [jnp.dot(xs[i], ws[i], preferred_element_type=jnp.float32)
                                      .astype(jnp.bfloat16) for i in range(rb)])
         tb = measure(fb, xb, wb, n_calls=rb)[0]
@@ -184,9 +186,10 @@ def bench_moe(m, copy_bw, cfg=None):
     per_expert = (wgu.source_bytes + wd.source_bytes) / e
     r = 16
     routes = [moe_routing(jax.random.fold_in(key, 10 + j), m, e, k) for j in range(r)]
-    ids = jnp.stack([a for a, _ in routes])
-    wts = jnp.stack([b for _, b in routes])
-    xs = jax.random.normal(jax.random.fold_in(key, 3), (r, m, h), jnp.float32).astype(jnp.bfloat16)
+    ids = [a for a, _ in routes]  # separate arrays (slices of a stacked array would add copy kernels)
+    wts = [b for _, b in routes]
+    xs = [jax.random.normal(jax.random.fold_in(key, 30 + j), (m, h), jnp.float32).astype(jnp.bfloat16)
+          for j in range(r)]
     path = "gemv" if (cfg is None and m * k <= MOE_GEMV_MAX_PAIRS) else "sorted_tiles"
     if path == "gemv":  # what routed_experts(path="auto") runs for this many routed pairs
         f = jax.jit(lambda xs, ids, wts, wgu, wd: [

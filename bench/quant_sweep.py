@@ -42,7 +42,7 @@ from pallas_kernels.moe_matmul import (MoEGemvConfig, check_moe_gemv, routed_exp
                                        routed_experts_reference)
 from pallas_kernels.quant_gemv import (GemvConfig, _splits_for, check_gemv_config, default_gemv_config,
                                        quant_matmul_gemv)
-from pallas_kernels.quant_matmul import quant_matmul_reference
+from pallas_kernels.quant_matmul import DenseConfig, default_config, quant_matmul_pallas, quant_matmul_reference
 
 SHAPES = [  # name, K, N, bits, group, max rotation
     ("int4_8192x28672", 8192, 28672, 4, 128, 4),
@@ -124,7 +124,9 @@ class Sweep:
                 self.cache[wkey] = ws
             ws = self.cache[wkey]
             r = len(ws)
-            xs = jax.random.normal(jax.random.key(7 + m), (r, m, k), jnp.float32).astype(jnp.bfloat16)
+            # separate arrays, not slices of one stacked array: a slice would add a copy kernel per call
+            xs = [jax.random.normal(jax.random.key(7 + 1000 * m + i), (m, k), jnp.float32).astype(jnp.bfloat16)
+                  for i in range(r)]
             ref = jax.jit(quant_matmul_reference)(xs[0], ws[0]).astype(jnp.float32)
             self.cache[key] = (ws, xs, ref)
         return self.cache[key]
@@ -136,9 +138,14 @@ class Sweep:
         try:
             ws, xs, ref = self.dense_data(name, k, n, bits, g, max_rotate, m)
             r = len(ws)
-            f = jax.jit(lambda xs, ws: [quant_matmul_gemv(xs[i], ws[i], config=cfg) for i in range(r)])
+            if isinstance(cfg, DenseConfig):  # the tensor-core kernel
+                f = jax.jit(lambda xs, ws: [quant_matmul_pallas(xs[i], ws[i], config=cfg) for i in range(r)])
+                programs = (n // cfg.bn) * cfg.splits * -(-m // cfg.bm)
+            else:
+                f = jax.jit(lambda xs, ws: [quant_matmul_gemv(xs[i], ws[i], config=cfg) for i in range(r)])
+                programs = (n // cfg.bn) * cfg.splits
             if self.check_and_time(row, f, (xs, ws), ref, r, ws[0].source_bytes):
-                row["programs"] = (n // cfg.bn) * cfg.splits
+                row["programs"] = programs
         except Exception as ex:  # noqa: BLE001 - a lowering or compile error: report it and go on
             row["error"] = f"{type(ex).__name__}: {str(ex)[:600]}"
             traceback.print_exc(limit=2)
@@ -177,9 +184,10 @@ class Sweep:
             r = 16
             key = jax.random.key(99 + m)
             routes = [moe_routing(jax.random.fold_in(key, 10 + j), m, e, k) for j in range(r)]
-            ids = jnp.stack([a for a, _ in routes])
-            wts = jnp.stack([b for _, b in routes])
-            xs = jax.random.normal(jax.random.fold_in(key, 3), (r, m, h), jnp.float32).astype(jnp.bfloat16)
+            ids = [a for a, _ in routes]  # separate arrays (slices of a stacked one would add copies)
+            wts = [b for _, b in routes]
+            xs = [jax.random.normal(jax.random.fold_in(key, 30 + j), (m, h), jnp.float32).astype(jnp.bfloat16)
+                  for j in range(r)]
             ref = jax.jit(routed_experts_reference)(xs[0], ids[0], wts[0], wgu, wd).astype(jnp.float32)
             per_expert = (wgu.source_bytes + wd.source_bytes) / e
             uniq = float(np.mean([len(np.unique(np.asarray(ids[j]))) for j in range(r)]))
@@ -192,7 +200,7 @@ class Sweep:
         try:
             wgu, wd, ids, wts, xs, ref, nbytes = self.moe_data(m)
             row["resolved_bn_splits"] = check_moe_gemv(xs[0].shape, ids[0].shape, wgu, wd, cfg)
-            r = xs.shape[0]
+            r = len(xs)
             f = jax.jit(lambda xs, ids, wts, wgu, wd: [
                 routed_experts_gemv(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
             self.check_and_time(row, f, (xs, ids, wts, wgu, wd), ref, r, nbytes)
@@ -251,7 +259,11 @@ class Sweep:
         print(f"{'kind':5s} {'shape':26s} {'M':>2s} {'us':>8s} {'GB/s':>6s} {'frac':>5s} {'err':>7s}  best config")
         for (kind, name, m), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
             c = r["config"]
-            if kind == "dense":
+            if kind == "dense" and "bm" in c:
+                cs = (f"{r['label']}: tensor-core bm={c['bm']} bn={c['bn']} splits={c['splits']} "
+                      f"gpi={c['groups_per_iter']} warps={c['num_warps']} stages={c['num_stages']} "
+                      f"weights_left={c['weights_left']} programs={r['programs']}")
+            elif kind == "dense":
                 cs = (f"{r['label']}: bn={c['bn']} splits={c['splits']} rows={c['rows']} warps={c['num_warps']} "
                       f"fields={c['fields']} unroll={c['unroll']} sync={c['sync_loads']} programs={r['programs']}")
             else:
@@ -266,6 +278,34 @@ class Sweep:
                 print(f"  {r['kind']} {r['name']} M={r['M']} {r['label']}: {r['error'][:200]}")
 
 
+MOE_CFGS = [("default", MoEGemvConfig()),
+            ("fused_glue", MoEGemvConfig(fused_glue=True)),
+            ("fused_glue_s10", MoEGemvConfig(fused_glue=True, splits_gate_up=10)),
+            ("fused_glue_s4", MoEGemvConfig(fused_glue=True, splits_gate_up=4)),
+            ("fused_act_bn64", MoEGemvConfig(bn_gate_up=64, splits_gate_up=1)),
+            ("programs264", MoEGemvConfig(target_programs=264)),
+            ("programs1056", MoEGemvConfig(target_programs=1056)),
+            ("jnp_fields", MoEGemvConfig(fields="jnp")),
+            ("warps8_rows32", MoEGemvConfig(num_warps=8, rows=32))]
+def small_m(sw, shapes, ms):
+    """M = 3..16: the tensor-core kernel's default config (weights as the left operand: wgmma fed from
+    registers), the same with the weights on the right (register -> shared memory -> mma.sync: the default
+    before stop 9) and the CUDA-core GEMV where it can take M."""
+    for shape in shapes:
+        _, k, n, bits, g, _ = shape
+        for m in ms:
+            base = default_config(m, k, n, bits, g)  # weights on the left (wgmma from registers)
+            right = dataclasses.replace(base, weights_left=False, num_stages=3,
+                                        bn=min(128, base.bn * 2) if n % (base.bn * 2) == 0 else base.bn)
+            cands = [("tc_default", base), ("tc_weights_right", right)]
+            if m <= 4:
+                cands.append(("gemv", default_gemv_config(m, k, n, bits, g)))
+            for label, cfg in cands:
+                if sw.out_of_time():
+                    return
+                sw.run_dense(shape, m, label, cfg)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one (default) config per shape: compile check")
@@ -273,6 +313,11 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="profiled repetitions per config")
     ap.add_argument("--only", default="", help="comma list of shape names (and/or 'moe')")
     ap.add_argument("--out", default="", help="JSON path (default $OUT/quant_sweep.json)")
+    ap.add_argument("--plan", default="gemv", choices=("gemv", "small_m", "moe"),
+                    help="gemv: the GEMV sweep below; small_m: M = 3..16 tensor-core kernel with the weights on "
+                         "the right (default) vs on the left (weights_left) vs the GEMV; moe: the MoE decode "
+                         "configs only")
+    ap.add_argument("--ms", default="4,16", help="token counts of the small_m plan")
     args = ap.parse_args()
     sw = Sweep(args)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
@@ -282,6 +327,19 @@ def main():
     shapes = [s for s in SHAPES if not only or s[0] in only]
     do_moe = not only or "moe" in only
 
+    if args.plan == "small_m":
+        small_m(sw, shapes, tuple(int(v) for v in args.ms.split(",")))
+        sw.write()
+        sw.table()
+        return
+    if args.plan == "moe":
+        for m in MOE_MS:
+            for label, cfg in MOE_CFGS:
+                if not sw.out_of_time():
+                    sw.run_moe(m, label, cfg)
+        sw.write()
+        sw.table()
+        return
     # pass 1: the default config everywhere
     for shape in shapes:
         _, k, n, bits, g, _ = shape
@@ -320,16 +378,8 @@ def main():
                     sw.run_dense(shape, m, "best_m1:" + b1["label"], cfg)
         # pass 4: MoE variants
         if do_moe:
-            moe_cfgs = [("fused_glue", MoEGemvConfig(fused_glue=True)),
-                        ("fused_glue_s10", MoEGemvConfig(fused_glue=True, splits_gate_up=10)),
-                        ("fused_glue_s4", MoEGemvConfig(fused_glue=True, splits_gate_up=4)),
-                        ("fused_act_bn64", MoEGemvConfig(bn_gate_up=64, splits_gate_up=1)),
-                        ("programs264", MoEGemvConfig(target_programs=264)),
-                        ("programs1056", MoEGemvConfig(target_programs=1056)),
-                        ("jnp_fields", MoEGemvConfig(fields="jnp")),
-                        ("warps8_rows32", MoEGemvConfig(num_warps=8, rows=32))]
             for m in MOE_MS:
-                for label, cfg in moe_cfgs:
+                for label, cfg in MOE_CFGS[1:]:
                     if sw.out_of_time():
                         break
                     sw.run_moe(m, label, cfg)

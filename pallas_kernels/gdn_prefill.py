@@ -12,6 +12,9 @@ Two kernels over a chunk-aligned layout of the packed sequences (each sequence s
      slot into the aliased state array (in place).
 
 Dot operands are cast to `dot_dtype` (bf16 on GPU like FLA; fp32 for the interpret-mode tests).
+
+`variant=` (static): "wide" (default) runs K1 as `_wy_wide_kernel` on whole 64-row tiles, "base" the 16-row
+`_wy_kernel` above (kept for A/B timing); see docs/kernels-gdn.md for the measurements.
 """
 
 from __future__ import annotations
@@ -148,6 +151,69 @@ def _wy_kernel(cmeta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref
         u_ref[h, pl.ds(c * C + i * SUB, SUB), :] = u.astype(u_ref.dtype)
 
 
+def _wy_wide_kernel(cmeta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, gc_ref, *, ratio, scale,
+                    l2, dt, interpret):
+    """K1 on whole 64-row tiles (variant "wide"), same outputs as `_wy_kernel`.
+
+    The 16-row kernel issues ~60 tiny dots whose mma layouts are converted to dot-operand layouts one by one
+    (offline sm_90 build: 122 convert_layouts, 271 barriers, 255 registers + 280 B of spills, mma.sync). Here
+    every matrix is one 64x64 (or 64x128) register tile and block structure is written as masks, since Triton
+    cannot slice a register tensor (offline: 33 barriers, 7 spill stores, wgmma):
+      * k k^T and q k^T are one dot each (the upper triangle is computed and masked away);
+      * (I + A)^-1 by block doubling (see below): 10 fp32 64x64 dots; exact block forward substitution, so no
+        series whose terms grow and cancel;
+      * w = X (beta e^gc k), u = X (beta v) as one 64x64 @ 64x128 dot each; beta e^gc k is formed in bf16 right
+        away (keeping the fp32 k alive until here spilled).
+    H200, T = 16K: 0.855 ms vs 0.987 ms for `_wy_kernel` (bench/results/gdn_probe.json)."""
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    hk = h // ratio
+    tok0 = cmeta_ref[c, 0]
+    clen = cmeta_ref[c, 1]
+    Dk = q_ref.shape[-1]
+    Dv = v_ref.shape[-1]
+    f32 = jnp.float32
+    rows = pl.ds(tok0, C)
+    ar = lax.broadcasted_iota(jnp.int32, (C,), 0)
+    m1 = ar < clen
+    mk = jnp.broadcast_to(m1[:, None], (C, Dk))
+    r = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+    q = _mload(q_ref.at[rows, hk, :], mk, interpret).astype(f32)
+    k = _mload(k_ref.at[rows, hk, :], mk, interpret).astype(f32)
+    g = _mload(g_ref.at[rows, h], m1, interpret).astype(f32)
+    b = _mload(b_ref.at[rows, h], m1, interpret).astype(f32)
+    if l2:
+        q, k = _l2(q), _l2(k)
+    gc = jnp.cumsum(g)  # chunk-local inclusive cumsum
+    gc_ref[h, pl.ds(c * C, C)] = gc
+    diff = gc[:, None] - gc[None, :]
+    incl = r >= cc
+    strict = r > cc
+    kd = k.astype(dt)
+    kb = (k * (b * jnp.exp(gc))[:, None]).astype(dt)  # fp32 k dies here (it spilled when kept to the w dot)
+    qk = _dot(q * scale, kd.T, dt)
+    a_ref[h, pl.ds(c * C, C), :] = jnp.where(incl, qk * jnp.exp(jnp.where(incl, diff, 0.0)), 0.0).astype(
+        a_ref.dtype)
+    kk = _dot(kd, kd.T, dt)
+    A = jnp.where(strict, kk * jnp.exp(jnp.where(strict, diff, 0.0)) * b[:, None], 0.0)
+
+    # (I + A)^-1 by block doubling: X inverts the block-diagonal part of I + A with blocks of size s; the
+    # next size adds the lower-left quarter L of each 2s block, (I + X L) has (X L)^2 = 0, hence
+    # X <- (I - X L) X. Size 1 -> 2 needs no dot (X = I).
+    X = jnp.where(r == cc, 1.0, 0.0) - jnp.where((r // 2) == (cc // 2), A, 0.0)
+    s = 2
+    while s < C:
+        L = jnp.where(((r // (2 * s)) == (cc // (2 * s))) & ((r // s) != (cc // s)), A, 0.0)
+        X = X - _dot(_dot(X, L, f32), X, f32)
+        s *= 2
+
+    w_ref[h, pl.ds(c * C, C), :] = _dot(X, kb, dt).astype(w_ref.dtype)
+    v = _mload(v_ref.at[rows, h, :], jnp.broadcast_to(m1[:, None], (C, Dv)), interpret).astype(f32)
+    u_ref[h, pl.ds(c * C, C), :] = _dot(X, v * b[:, None], dt).astype(u_ref.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # K2: sequential inter-chunk state recurrence + outputs
 # ----------------------------------------------------------------------------------------------------------
@@ -204,16 +270,26 @@ def _state_kernel(smeta_ref, q_ref, k_ref, w_ref, u_ref, a_ref, gc_ref, s_in_ref
 # ----------------------------------------------------------------------------------------------------------
 # wrappers
 # ----------------------------------------------------------------------------------------------------------
+VARIANTS = ("wide", "base")  # K1 variants, the default first
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "interpret", "block_v", "num_warps",
                                              "num_stages", "dot_dtype", "wy_warps",
-                                             "stop_after_wy", "layer"),
+                                             "stop_after_wy", "layer", "variant"),
                    donate_argnames=("state",))
 def chunk_gated_delta_rule_varlen_pallas(q, k, v, g, beta, *, cu_seqlens, state, slots, scale, read_col=None,
                                          has_initial_state=None, use_qk_l2norm=False, interpret=False,
                                          block_v=None, num_warps=None, num_stages=None, dot_dtype=None,
-                                         wy_warps=None, stop_after_wy=False, layer=None):
+                                         wy_warps=None, stop_after_wy=False, layer=None, variant="wide"):
     """Same contract as gdn_reference.chunk_gated_delta_rule_varlen (o past cu_seqlens[-1] is unspecified);
-    the state array is donated and updated in place. Sequences must use distinct slots."""
+    the state array is donated and updated in place. Sequences must use distinct slots.
+
+    `variant` (static) picks K1, both computing the same thing: "wide" = 64-row `_wy_wide_kernel` (default: on
+    the H200 at T = 16K, bench/results/gdn_probe.json, K1 0.855 ms vs 0.987 ms, the whole prefill 1.84 vs
+    1.97 ms), "base" = 16-row `_wy_kernel`. (A leaner K2 with a third of the instructions per chunk step was
+    measured not faster, 1.04 vs 0.98 ms, and removed: the chunk step is bound by its dependent dots.)"""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r} not in {VARIANTS}")
     _, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     N = cu_seqlens.shape[0] - 1
@@ -245,8 +321,8 @@ def chunk_gated_delta_rule_varlen_pallas(q, k, v, g, beta, *, cu_seqlens, state,
         kw2["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 2)
 
     w, u, A, gc = pl.pallas_call(
-        functools.partial(_wy_kernel, ratio=ratio, scale=float(scale), l2=bool(use_qk_l2norm), dt=dt,
-                          interpret=interpret),
+        functools.partial(_wy_wide_kernel if variant == "wide" else _wy_kernel, ratio=ratio, scale=float(scale),
+                          l2=bool(use_qk_l2norm), dt=dt, interpret=interpret),
         grid=(NC, Hv),
         out_shape=(jax.ShapeDtypeStruct((Hv, NC * C, Dk), inter_dt),
                    jax.ShapeDtypeStruct((Hv, NC * C, Dv), inter_dt),

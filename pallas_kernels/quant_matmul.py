@@ -16,10 +16,13 @@ Dispatch (`quant_matmul` with impl 'pallas'/'interpret', `dispatch_path`), from 
 bench/results/quant_matmul.json and bench/results/quant_sweep.json (device time per call):
 * M <= GEMV_AUTO_MAX_M (2): the CUDA-core GEMV kernel below (lm_head int8 0.81 of the copy bandwidth at M = 1,
   int4 8192x28672 0.54, int6 in_proj_qkv 0.37: 1.4-2.4x faster than the tensor-core kernel);
-* M <= DECODE_MAX_M (32): the Pallas tensor-core decode kernel. At M <= 16 it beats XLA's dequant+dot 1.0-3.5x
-  (lm_head int8 296 us vs 1042 us) but reaches only 0.09-0.51 of the copy bandwidth: it is bound by the
-  per-value dequantization work (about 2e12 dequantized values/s at every bit width: int8 lm_head
-  2.15e12, int4 8192x28672 1.97e12, int6 in_proj_qkv 1.7e12 fields/s), not by HBM;
+* M <= DECODE_MAX_M (32): the Pallas tensor-core decode kernel with the weights as the dot's LEFT operand
+  (DenseConfig.weights_left, default since stop 9: y^T = q^T x^T, so Triton feeds the dequantized weights to
+  wgmma from registers instead of through shared memory; int6 builds one whole 6-bit field per weight). At
+  M = 4..16 on the H200: lm_head int8 0.64-0.65 of the copy bandwidth (weights on the right: 0.51), int4
+  8192x28672 0.27, int6 12-25 MB 0.14-0.22 (was 0.09-0.16). It is bound by the dequantization instructions
+  (int6: ~9.6 SASS instructions per weight in the loop, mostly byte permutes into the mma operand layout),
+  not by HBM;
 * M > DECODE_MAX_M: XLA dequantization to bf16 + XLA's bf16 dot (`dequant_dot_xla`), which reaches
   0.58-0.82 of the bf16 dot's FLOP/s at M = 512, where this Triton kernel (small-K tensor-core steps, one
   scale multiply per group) reaches only 0.02-0.12. The kernel's prefill tiling stays available
@@ -56,6 +59,12 @@ class DenseConfig:
     groups_per_iter: int  # quantization groups unrolled per loop iteration
     num_warps: int = 4
     num_stages: int = 3
+    # Weights as the dot's LEFT operand (y^T = q^T x^T; tokens are the wgmma N dimension). On Hopper Triton
+    # then feeds the dequantized weights to wgmma straight from registers (m64n16k16, A in registers, x^T
+    # from shared memory); with the weights on the right they must go register -> shared memory -> mma.sync
+    # operand (checked offline: Triton 3.9 for sm_90 emits wgmma with a register A operand and 18 shared
+    # loads per loop body instead of mma.sync fed by 86). Needs bn a multiple of 64 (one warp group's rows).
+    weights_left: bool = False
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -118,12 +127,38 @@ def _exact_fields(raw, width, r, signed, compute_dtype):
     return fields
 
 
-def group_dot(load_x, load_plane, g, *, bits: int, group_size: int, compute_dtype):
-    """Unscaled x[:, group g] @ q[group g, tile] as float32 [BM, BN].
+def _int6_fields_left(load_plane, g, group_size):
+    """The four [G/4, BN] tiles of whole 6-bit weights of group g as exact bf16 integers q, in the order
+    (rows [0, G/4), [G/2, 3G/4), [G/4, G/2), [3G/4, G)): each combines a nibble of the 4-bit plane with the
+    matching 2-bit field (quant_layout: low-plane byte row j holds rows j and G/2 + j, high-plane byte row j
+    rows j, G/4 + j, G/2 + j, 3G/4 + j), so a weight costs one field, not two dots."""
+    q4 = group_size // 4
+    lo_a = load_plane(0, g * (group_size // 2), q4).astype(jnp.int16)  # rows j and G/2 + j
+    lo_b = load_plane(0, g * (group_size // 2) + q4, q4).astype(jnp.int16)  # rows G/4 + j and 3G/4 + j
+    hi = load_plane(1, g * q4, q4).astype(jnp.int16) ^ 0xAA  # 2-bit h -> h + 2 in every field
+    tiles = []
+    for lo, shift_lo in ((lo_a, 0), (lo_a, 4), (lo_b, 0), (lo_b, 4)):
+        a = (0 if lo is lo_a else 1) + (2 if shift_lo else 0)  # high-plane field of these rows
+        h = (hi << (4 - 2 * a)) if a < 2 else (hi >> (2 * a - 4))
+        u = ((lo >> shift_lo) & 0xF) | (h & 0x30) | _BF16_128  # bf16 128 + (q + 32)
+        tiles.append(jax.lax.bitcast_convert_type(u, jnp.bfloat16) - jnp.asarray(160.0, jnp.bfloat16))
+    return tiles, (0, 2 * q4, q4, 3 * q4)
+
+
+def group_dot(load_x, load_plane, g, *, bits: int, group_size: int, compute_dtype, weights_left: bool = False):
+    """Unscaled x[:, group g] @ q[group g, tile] as float32 [BM, BN], or its transpose [BN, BM] when
+    weights_left (q^T @ x^T: the weights are the tensor-core dot's left operand, see DenseConfig).
 
     load_x(col0, ncols) -> [BM, ncols] activations; load_plane(pi, row0, nrows) -> [nrows, BN] packed bytes."""
     total = None
     magic = compute_dtype == jnp.bfloat16
+    if weights_left and magic and bits == 6:
+        tiles, rows = _int6_fields_left(load_plane, g, group_size)
+        for f, r0 in zip(tiles, rows):
+            xs = load_x(g * group_size + r0, group_size // 4)
+            d = jnp.dot(f.T, xs.T, preferred_element_type=jnp.float32)
+            total = d if total is None else total + d
+        return total
     for pi, width, r, signed, sub, mult in _plane_slots(bits, group_size):
         raw = load_plane(pi, g * sub, sub)
         if magic and r > 1:
@@ -133,9 +168,15 @@ def group_dot(load_x, load_plane, g, *, bits: int, group_size: int, compute_dtyp
         part = None
         for s, f in enumerate(fields):
             xs = load_x(g * group_size + s * sub, sub)
-            d = jnp.dot(xs, f, preferred_element_type=jnp.float32)
-            if offset:
-                d = d - offset * jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            if weights_left:  # remove the offset from the weights: (128 + u) - c is an exact small bf16
+                # integer, one packed bf16x2 subtraction per two weights and no reduction of x per slot
+                if offset:
+                    f = f - jnp.asarray(offset, f.dtype)
+                d = jnp.dot(f.T, xs.T, preferred_element_type=jnp.float32)
+            else:
+                d = jnp.dot(xs, f, preferred_element_type=jnp.float32)
+                if offset:
+                    d = d - offset * jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
             part = d if part is None else part + d
         if mult != 1.0:
             part = part * mult
@@ -143,15 +184,24 @@ def group_dot(load_x, load_plane, g, *, bits: int, group_size: int, compute_dtyp
     return total
 
 
-def _dense_kernel(x_ref, *refs, bits, group_size, n_planes, groups_per_split, groups_per_iter, bn):
+def _dense_kernel(x_ref, *refs, bits, group_size, n_planes, groups_per_split, groups_per_iter, bn,
+                  weights_left, m, interpret):
     plane_refs = refs[:n_planes]
     s_ref, o_ref = refs[n_planes], refs[n_planes + 1]
     split = pl.program_id(1)
     g0 = split * groups_per_split
     cdt = x_ref.dtype
+    bm = x_ref.shape[0]
+    # x is not padded to a multiple of BM (a pad and a slice would be two more XLA kernels per call): rows past
+    # M are masked on load and store on the GPU (interpret mode pads blocks itself and clips the writes)
+    row_ok = None
+    if m % bm and not interpret:
+        row_ok = (pl.program_id(2) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) < m
 
     def load_x(c0, nc):
-        return x_ref[:, pl.ds(c0, nc)]
+        if row_ok is None:
+            return x_ref[:, pl.ds(c0, nc)]
+        return pl_triton.load(x_ref.at[:, pl.ds(c0, nc)], mask=jnp.broadcast_to(row_ok, (bm, nc)), other=0.0)
 
     def load_plane(pi, r0, nr):
         return plane_refs[pi][pl.ds(r0, nr), :]
@@ -159,14 +209,19 @@ def _dense_kernel(x_ref, *refs, bits, group_size, n_planes, groups_per_split, gr
     def body(i, acc):
         for u in range(groups_per_iter):
             g = g0 + i * groups_per_iter + u
-            part = group_dot(load_x, load_plane, g, bits=bits, group_size=group_size, compute_dtype=cdt)
+            part = group_dot(load_x, load_plane, g, bits=bits, group_size=group_size, compute_dtype=cdt,
+                             weights_left=weights_left)
             scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)
-            acc = acc + part * scale
+            acc = acc + part * (scale.T if weights_left else scale)
         return acc
 
-    acc = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
-    acc = jax.lax.fori_loop(0, groups_per_split // groups_per_iter, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    shape = (bn, bm) if weights_left else (bm, bn)
+    acc = jax.lax.fori_loop(0, groups_per_split // groups_per_iter, body, jnp.zeros(shape, jnp.float32))
+    y = (acc.T if weights_left else acc).astype(o_ref.dtype)
+    if row_ok is None:
+        o_ref[...] = y
+    else:
+        pl_triton.store(o_ref, y, mask=jnp.broadcast_to(row_ok, (bm, bn)))
 
 
 # --------------------------------------------------------------------------------------------- shapes, configs
@@ -200,9 +255,14 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
     if bm >= 128:  # prefill: compute tiles, no split
         bn = pow2_divisor(n, 128)
         return DenseConfig(bm=bm, bn=bn, splits=1, groups_per_iter=1, num_warps=8, num_stages=3)
-    bn = pow2_divisor(n, 128 if bm <= 16 else 64)
-    # Enough programs to keep every SM streaming: aim for >= ~4 per SM (132 SMs on the H200).
-    tiles = -(-m // bm) * (n // bn)
+    # Weights as the left operand (wgmma from registers): on the H200 (bench/results/quant_sweep_small_m.json)
+    # 1.1x faster than weights on the right for int4 / int6 at M = 4, 16, with BN 64 for int4; int8 wants no
+    # software pipelining (num_stages 1: lm_head 233 us vs 291 us on the right, 430 us with 3 stages).
+    bn = pow2_divisor(n, 64 if bits == 4 else 128)
+    stages = 1 if bits == 8 else 3
+    # Enough programs to keep every SM streaming: aim for >= ~4 per SM (132 SMs on the H200), counted at
+    # BN 128 (the measured int4 config runs BN 64 with BN 128's split: twice the programs).
+    tiles = -(-m // bm) * (n // bn) * bn // 128
     splits = 1
     for s in range(1, n_groups + 1):
         if n_groups % s == 0:
@@ -211,7 +271,8 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
                 break
     gps = n_groups // splits
     gpi = 2 if gps % 2 == 0 else 1
-    return DenseConfig(bm=bm, bn=bn, splits=splits, groups_per_iter=gpi, num_warps=4, num_stages=3)
+    return DenseConfig(bm=bm, bn=bn, splits=splits, groups_per_iter=gpi, num_warps=4, num_stages=stages,
+                       weights_left=True)
 
 
 # --------------------------------------------------------------------------------------------- entry points
@@ -227,34 +288,33 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig
     if n % cfg.bn or n_groups % cfg.splits or (n_groups // cfg.splits) % cfg.groups_per_iter:
         raise ValueError(f"config {cfg} does not tile N={n}, groups={n_groups}")
     bm = cfg.bm
-    mp = -(-m // bm) * bm
-    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
     planes = list(w.planes)
     split_out = cfg.splits > 1
-    grid = (n // cfg.bn, cfg.splits, mp // bm)
+    grid = (n // cfg.bn, cfg.splits, -(-m // bm))
     in_specs = [pl.BlockSpec((bm, k), lambda j, s, i: (i, 0))]
     in_specs += [pl.BlockSpec((p.shape[0], cfg.bn), lambda j, s, i: (0, j)) for p in planes]
     in_specs += [pl.BlockSpec((n_groups, cfg.bn), lambda j, s, i: (0, j))]
     if split_out:
-        out_shape = jax.ShapeDtypeStruct((cfg.splits, mp, n), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, bm, cfg.bn), lambda j, s, i: (s, i, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((bm, cfg.bn), lambda j, s, i: (i, j))
     kernel = functools.partial(
         _dense_kernel, bits=w.bits, group_size=g, n_planes=len(planes),
-        groups_per_split=n_groups // cfg.splits, groups_per_iter=cfg.groups_per_iter, bn=cfg.bn)
+        groups_per_split=n_groups // cfg.splits, groups_per_iter=cfg.groups_per_iter, bn=cfg.bn,
+        weights_left=cfg.weights_left, m=m, interpret=interpret)
     params = None
     if not interpret and pl_triton is not None:
         params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         interpret=interpret, compiler_params=params,
-        name=f"quant_matmul_w{w.bits}g{g}_bm{bm}_bn{cfg.bn}_s{cfg.splits}",
-    )(xp, *planes, w.scales)
+        name=f"quant_matmul_w{w.bits}g{g}_bm{bm}_bn{cfg.bn}_s{cfg.splits}{'_wl' if cfg.weights_left else ''}",
+    )(x, *planes, w.scales)
     if split_out:
         y = y.sum(axis=0).astype(x.dtype)
-    return y[:m] if mp != m else y
+    return y
 
 
 # --------------------------------------------------------------------------------------------- dispatch

@@ -207,27 +207,37 @@ def test_decode_kernel_interpret(T, k1):
     check_decode(c, o, st, 1e-5)
 
 
-def test_prefill_kernel_varlen_interpret():
+PREFILL_VARIANTS = ["wide", "base"]  # gdn_prefill.VARIANTS, the default first
+
+
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+def test_prefill_kernel_varlen_interpret(variant):
     from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_varlen_pallas
     c = varlen_case(np.random.default_rng(20))
     o, st = chunk_gated_delta_rule_varlen_pallas(
         c["q"], c["k"], c["v"], c["g"], c["beta"], cu_seqlens=jnp.asarray(c["cu"]), state=jnp.asarray(c["state"]),
         slots=jnp.asarray(c["slots"]), read_col=jnp.asarray(c["read_col"]),
         has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE, use_qk_l2norm=True, interpret=True,
-        block_v=16)
+        block_v=16, variant=variant)
     o = np.array(o)
     o[0, c["cu"][-1]:] = 0  # unspecified past the last sequence in the Pallas path
     check_varlen(c, o, st, 2e-4)
 
 
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 @pytest.mark.parametrize("decay,beta_mode", [("none", "ends"), ("strong", "mixed")])
-def test_prefill_kernel_batch_interpret(decay, beta_mode):
+def test_prefill_kernel_batch_interpret(decay, beta_mode, variant):
+    from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_pallas
     rng = np.random.default_rng(30)
     B, T = 2, 130
     q, k, v, g, beta = make_inputs(rng, B, T, decay, beta_mode)
     S0 = rng.standard_normal((B, HV, DK, DV)).astype(np.float32)
-    o, S = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
-                                      use_qk_l2norm=True, impl="interpret")
+    if variant == PREFILL_VARIANTS[0]:  # the default, through the public switch
+        o, S = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
+                                          use_qk_l2norm=True, impl="interpret")
+    else:
+        o, S = chunk_gated_delta_rule_pallas(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
+                                             use_qk_l2norm=True, interpret=True, variant=variant)
     for b in range(B):
         o64, st64 = np_recurrence(q[b], k[b], v[b], g[b], beta[b], S0[b], SCALE, True)
         assert rel_err(o[b], o64) < 2e-4
@@ -263,16 +273,21 @@ def test_decode_addresses_one_layer_of_the_store_leaf(impl):
     check_other_layers(full, st, layer)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["reference", "interpret"] + [f"interpret:{v}" for v in PREFILL_VARIANTS[1:]])
 def test_prefill_addresses_one_layer_of_the_store_leaf(impl):
+    from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_varlen_pallas
     rng = np.random.default_rng(41)
     c = varlen_case(rng, lens=[1, 65, 7], k1=2)
     layer = 2
     full = in_store(rng, c["state"], layer)
-    o, st = ref.chunk_gated_delta_rule_varlen(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], cu_seqlens=jnp.asarray(c["cu"]), state=jnp.asarray(full),
-        slots=jnp.asarray(c["slots"]), read_col=jnp.asarray(c["read_col"]),
-        has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE, use_qk_l2norm=True, impl=impl, layer=layer)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"])
+    kw = dict(cu_seqlens=jnp.asarray(c["cu"]), state=jnp.asarray(full), slots=jnp.asarray(c["slots"]),
+              read_col=jnp.asarray(c["read_col"]), has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE,
+              use_qk_l2norm=True, layer=layer)
+    if impl.startswith("interpret:"):  # a non-default kernel variant, called directly
+        o, st = chunk_gated_delta_rule_varlen_pallas(*args, interpret=True, variant=impl.split(":")[1], **kw)
+    else:
+        o, st = ref.chunk_gated_delta_rule_varlen(*args, impl=impl, **kw)
     o = np.array(o)
     o[0, c["cu"][-1]:] = 0  # unspecified past the last sequence in the Pallas path
     check_varlen(c, o, np.asarray(st)[:, :, layer], 2e-4)

@@ -188,6 +188,20 @@ def test_kernel_matches_reference(bits, group, m):
     assert_close_to_reference(y, x, w, seed)
 
 
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("m", [3, 16])
+def test_kernel_with_weights_as_left_operand_matches_reference(bits, group, m):
+    """weights_left computes y^T = q^T x^T (the GPU tiling for 3..32 tokens) with the offset removed from the
+    weights before the dot: same contract, split-K included."""
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 4 * group, 128, bits, group, dtype=np.float16 if bits != 8 else jnp.bfloat16)
+    x = random_x(rng, m, 4 * group)
+    cfg = DenseConfig(bm=16, bn=64, splits=2, groups_per_iter=2, weights_left=True)
+    y = quant_matmul_pallas(x, w, config=cfg, interpret=True)
+    assert y.dtype == x.dtype and y.shape == (m, 128)
+    assert_close_to_reference(y, x, w, seed)
+
+
 @pytest.mark.parametrize("cfg", [
     DenseConfig(bm=16, bn=32, splits=3, groups_per_iter=1),
     DenseConfig(bm=16, bn=16, splits=1, groups_per_iter=3),

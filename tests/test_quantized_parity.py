@@ -46,3 +46,30 @@ def test_cli_generates_from_a_quantized_hf_directory():
                            "--token-ids", ids, "--max-new-tokens", "3"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "output_token_ids: [" in proc.stdout
+
+
+def test_bfloat16_load_of_a_quantized_checkpoint_runs_every_quantized_matmul_in_bfloat16(monkeypatch):
+    """A quantized embedding dequantizes to float32 rows; the model must cast them to the load dtype, or every
+    layer runs in float32, which `linear` keeps on the exact reference path instead of the kernels (the real-size
+    decode step on the H200 was 20x slower than it should be). Records what reaches quant_matmul."""
+    import jax
+
+    import pallas_kernels.quant_matmul as qm
+
+    seen = []
+    real = qm.quant_matmul
+
+    def spy(x, w, **kw):
+        seen.append((x.dtype, kw.get("impl")))
+        return real(x, w, **kw)
+
+    monkeypatch.setattr(qm, "quant_matmul", spy)
+    jax.clear_caches()  # trace afresh so every call passes through the spy
+    model = flashnext_jax.load(QUANT / "ct", dtype="bfloat16")
+    ids = REF["input_ids"][0][:8]
+    got = model.logits(ids)
+    jax.clear_caches()
+    assert seen, "no quantized matmul was traced"
+    assert {d for d, _ in seen} == {np.dtype("bfloat16")} and {i for _, i in seen} == {None}, set(seen)
+    ref = REF["ct"][0][:8]
+    assert np.isfinite(got).all() and np.abs(got - ref).max() / np.abs(ref).max() <= 5e-2
