@@ -90,9 +90,8 @@ def build(cfg, key):
         k = jax.random.fold_in(key, i)
         bg = scheme_of(name)
         if bg is not None:
-            logical = tuple(orient(name, np.empty(shape, np.int8)).shape)  # [.., in, out]
-            if name == "embed_tokens.weight":  # a quantized embedding is stored [K=H, N=V] (model.embed)
-                logical = logical[::-1]
+            # torch [.., out, in] -> quantized [.., in, out]; the embedding [V, H] becomes [K=H, N=V] (model.embed)
+            logical = tuple(shape[:-2]) + (shape[-1], shape[-2])
             value = random_quantized(k, logical, *bg)
             nbytes = sum(p.nbytes for p in value.planes) + value.scales.nbytes
         else:

@@ -64,13 +64,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """y = x @ W for W stored [in, out]: a plain array, or a quantized weight run by the kernel switch.
+    """y = x @ W^T for a plain weight stored [out, in] (torch's orientation, see weights.orient), or x @ W for a
+    quantized weight [K=in, N=out] run by the kernel switch.
 
     Accumulates in fp32; fp32 params use full-precision dots (no TF32 on GPU) so fp32 parity tests mean something.
     """
     if isinstance(w, jax.Array):
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        y = jnp.dot(x.astype(w.dtype), w, precision=precision, preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     from pallas_kernels.quant_matmul import quant_matmul  # quantized weights only
 

@@ -5,8 +5,8 @@ real tokens starting at absolute position `start[b]`) on top of that row's state
 pre-final-mixer hyper state (the MTP head reads it) and the new state. Prefill and decode are the same function
 with different T; `prefill`/`decode_step` in `api.py` jit it with the state donated.
 
-Params are nested dicts mirroring the checkpoint names (`params["layers"][3]["self_attn"]["q_proj"]`), linear
-weights stored [in, out] (plain arrays or `QuantizedWeight`).
+Params are nested dicts mirroring the checkpoint names (`params["layers"][3]["self_attn"]["q_proj"]`); linear
+weights are plain arrays in torch's [out, in] or `QuantizedWeight`s [in, out] (`layers.linear` takes both).
 """
 
 from __future__ import annotations

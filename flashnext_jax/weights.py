@@ -121,13 +121,17 @@ PLE_BUFFERS = ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_voc
 
 
 def orient(name: str, value):
-    """Torch orientation -> ours ([in, out] for linears; conv taps [C, K]); works on numpy and jax arrays."""
+    """Torch orientation -> ours for dense tensors; works on numpy and jax arrays.
+
+    Dense linear weights keep torch's [out, in]: `layers.linear` contracts their dim 1. XLA rewrites a one-token
+    dot as multiply + reduce, which over [out, in] is a row reduction of contiguous memory; over [in, out] it
+    was a column reduction, slow for the small projections (in_proj_a/b 2560 -> 48: 17.7 us per call on the
+    H200, bench/results/decode_step.json). Stacked dense experts become [E, in, out] (the MoE einsums), conv
+    taps [C, K]. Quantized weights have their own [K=in, N=out] layout (quant_layout) and are not oriented."""
     if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
         return value.swapaxes(-1, -2)
     if name.endswith("conv1d.weight"):
         return value[:, 0, :]
-    if value.ndim == 2 and name != "embed_tokens.weight":
-        return value.T
     return value
 
 

@@ -56,9 +56,7 @@ def test_eval_shape_params_match_release_tensors():
         got = leaf(params, param_path(name)).shape
         if name.endswith("conv1d.weight"):
             want = (shape[0], shape[2])
-        elif len(shape) == 2 and name != "embed_tokens.weight":
-            want = shape[::-1]  # linears are stored [in, out]
-        else:
+        else:  # dense linears keep torch's [out, in] (weights.orient)
             want = shape
         assert got == want, name
         checked += 1
