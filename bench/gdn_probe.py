@@ -107,7 +107,7 @@ def decode_child(B, T, unrolled):
     if gb.SMOKE:
         tune = dict(tune, interpret=True, block_v=16)
     if not unrolled:
-        t = gb.time_jax_decode(L, B, T, tune)
+        t, _ = gb.time_jax_decode(L, B, T, tune)
         return dict(wall_us_per_layer=t * 1e6)
     states, xs, slots, rc = gb.decode_setup(L, B, T)
 

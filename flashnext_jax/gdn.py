@@ -147,29 +147,21 @@ def delta_rule_kernels(q, k, v, g, beta, state, base=None, k1: int | None = None
     kw = dict(scale=dk**-0.5, use_qk_l2norm=True, impl=impl)
     slots = jnp.arange(b, dtype=jnp.int32)
 
-    def slot_decode(q, k, v, g, beta, s0, cols):
-        # fresh state array (the kernels donate it): column 0 = start state, the kernel writes column i after token i
-        states = jnp.zeros((b, cols) + s0.shape[1:], jnp.float32).at[:, 0].set(s0.astype(jnp.float32))
-        return gdn_kernels.recurrent_gated_delta_rule_slots(q, k, v, g, beta, state=states, slots=slots, **kw)
-
     if base is None:
         if t <= 4:  # decode / short verify: the slot kernel; right padding is identity, so the last column is final
-            out, states = slot_decode(q, k, v, g, beta, state, t)
+            # fresh state array (the kernel donates it): column 0 = start state, column i written after token i
+            states = jnp.zeros((b, t) + state.shape[1:], jnp.float32).at[:, 0].set(state.astype(jnp.float32))
+            out, states = gdn_kernels.recurrent_gated_delta_rule_slots(q, k, v, g, beta, state=states, slots=slots,
+                                                                       **kw)
             return out, states[:, t - 1]
         return gdn_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, **kw)
 
-    if t == k1:  # base + k1 <= T forces base = 0: no head tokens (the engine's plain decode / verify step)
-        s_base, out = state, None
-    else:
-        head = (jnp.arange(t)[None, :] < base[:, None])[..., None]
-        out, s_base = gdn_kernels.chunk_gated_delta_rule(q, k, v, jnp.where(head, g, 0.0), jnp.where(head, beta, 0.0),
-                                                         initial_state=state, **kw)
-    idx = base[:, None] + jnp.arange(k1)[None, :]  # [B, k1], < T
-    take = lambda a: jnp.take_along_axis(a, idx.reshape(b, k1, *([1] * (a.ndim - 2))), axis=1)
-    out_t, states = slot_decode(take(q), take(k), take(v), take(g), take(beta), s_base, k1)
-    if out is None:
-        return out_t, states
-    return out.at[jnp.arange(b)[:, None], idx].set(out_t), states
+    # checkpoint columns: the store path on a fresh one-layer leaf whose column 0 holds the starting state
+    leaf = jnp.zeros((b, k1, 1) + state.shape[1:], jnp.float32).at[:, 0, 0].set(state.astype(jnp.float32))
+    rec = StoreRecState(leaf, slots, jnp.zeros((b,), jnp.int32), 0)
+    ends = base[:, None] + 1 + jnp.arange(k1)[None, :]
+    out, rec = delta_rule_in_store(q, k, v, g, beta, rec, ends, impl=impl)
+    return out, rec.leaf[:, :, 0]
 
 
 class StoreRecState(NamedTuple):
@@ -195,7 +187,8 @@ def uses_kernels(dtype) -> bool:
 
 
 def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str):
-    """`delta_rule_kernels` with checkpoint columns, reading and writing the store leaf in place.
+    """The delta rule with checkpoint columns, reading and writing a store leaf in place (the engine's store, or
+    the fresh one-layer leaf of `delta_rule_kernels`).
 
     Same inputs as delta_rule_kernels; ends [B, K1] as in gdn_forward. The head tokens (before base = ends[:, 0]
     - 1) go through the varlen chunked kernel (rows packed back to back, initial state from (slot, read_col),

@@ -105,7 +105,10 @@ class RealRunner:
         B, T = batch.tokens.shape
         K1 = next(iter(store.slot.values())).shape[1]
         live = live_rows(store, batch.slot, batch.gen)
-        st = read_slots(store, batch.slot, live)
+        # On the kernel path the GDN recurrent state is never gathered: the kernels read each row's committed
+        # column and write its checkpoint columns in the store leaf itself, by slot id (stale rows: slot -1).
+        in_place = self.n_gdn > 0 and uses_kernels(dt)
+        st = read_slots(store, batch.slot, live, skip=("gdn_rec",) if in_place else ())
         n_valid, start, tokens = batch.n_valid, batch.start, batch.tokens
         base = jnp.maximum(n_valid - K1, 0)
         ends = base[:, None] + 1 + jnp.arange(K1)[None, :]  # tokens folded after column c
@@ -122,16 +125,12 @@ class RealRunner:
             a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) if pad else a
             return jnp.moveaxis(a, 2, 1)
 
-        # On the kernel path the GDN recurrent state is never gathered: the kernels read each row's committed
-        # column and write its checkpoint columns in the store leaf itself, by slot id (stale rows: slot -1).
-        in_place = self.n_gdn > 0 and uses_kernels(dt)
         if in_place:
             rec = StoreRecState(store.slot["gdn_rec"], jnp.where(live, batch.slot, -1),
                                 store.cursor[jnp.clip(batch.slot, 0, store.num_slots)], 0)
 
         # every state leaf as [B, layer-of-kind, ...], under the State field names decoder_layer reads
-        gathered = ("gdn_conv", "ple_conv") if in_place else ("gdn_conv", "gdn_rec", "ple_conv")
-        rows_state = {name: st[name] for name in gathered if name in st}
+        rows_state = {name: st[name] for name in ("gdn_conv", "gdn_rec", "ple_conv") if name in st}
         rows_state |= {name: dense(page) for name, page in _PAGES.items()}
         L = rows_state["kv_k"].shape[2]
         qpos = jnp.minimum(positions, L - 1)

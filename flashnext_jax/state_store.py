@@ -112,11 +112,12 @@ def live_rows(store: StateStore, slot: jax.Array, gen: jax.Array) -> jax.Array:
     return (slot >= 0) & (slot < s) & (store.gen[safe] == gen) & (gen % 2 == 1)  # odd generation = allocated
 
 
-def read_slots(store: StateStore, slot: jax.Array, live: jax.Array) -> dict[str, jax.Array]:
-    """Committed state of each row's slot ([B, *shape] per leaf); non-live rows read the poisoned null slot."""
+def read_slots(store: StateStore, slot: jax.Array, live: jax.Array, skip: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+    """Committed state of each row's slot ([B, *shape] per leaf, except the names in `skip`, which a kernel reads
+    from the store itself); non-live rows read the poisoned null slot."""
     idx = jnp.where(live, slot, store.num_slots)
     col = store.cursor[idx]
-    return {n: a[idx, col] for n, a in store.slot.items()}
+    return {n: a[idx, col] for n, a in store.slot.items() if n not in skip}
 
 
 def write_slots(store: StateStore, slot: jax.Array, live: jax.Array, columns: dict[str, jax.Array],

@@ -147,7 +147,8 @@ def test_fp32_stays_bit_identical_on_the_reference_path(monkeypatch, t, k1):
 
 
 @pytest.mark.parametrize("t,k1,entry", [(70, None, "chunk_gated_delta_rule"), (1, None, "recurrent_gated_delta_rule_slots"),
-                                        (2, 2, "recurrent_gated_delta_rule_slots"), (5, 2, "chunk_gated_delta_rule")])
+                                        (2, 2, "recurrent_gated_delta_rule_slots"),
+                                        (5, 2, "chunk_gated_delta_rule_varlen")])  # head tokens: the store path
 def test_pallas_with_bf16_activations_uses_the_kernels(monkeypatch, t, k1, entry):
     """On GPU ("pallas", bf16) the delta rule must go to the kernels: the first entry point reached is `entry`."""
     forbid_kernels(monkeypatch)
