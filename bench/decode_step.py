@@ -36,7 +36,7 @@ import numpy as np
 
 from flashnext_jax.config import from_hf_config
 from flashnext_jax.model import Batch, forward, init_state
-from flashnext_jax.weights import _lists, _set, expected_tensors, orient, param_path
+from flashnext_jax.weights import _lists, _set, expected_tensors, fuse_projections, orient, param_path
 from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight
 
 SMOKE = bool(os.environ.get("DECODE_BENCH_SMOKE"))
@@ -102,7 +102,7 @@ def build(cfg, key):
         elif name != "embed_tokens.weight":  # the embedding is a row gather, not streamed
             always += nbytes
         _set(tree, param_path(name), value)
-    return _lists(tree), always, per_expert
+    return fuse_projections(_lists(tree)), always, per_expert  # as flashnext_jax.load builds them
 
 
 def copy_bandwidth():

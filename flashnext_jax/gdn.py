@@ -33,7 +33,7 @@ from pallas_kernels import gdn_reference as gdn_kernels
 from pallas_kernels.kernel_switch import resolve_impl
 
 from .config import ModelConfig
-from .layers import gated_rms_norm, linear
+from .layers import gated_rms_norm, linear, linear_group
 
 CHUNK = 64
 
@@ -246,7 +246,8 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kernel = cfg.linear_conv_kernel_dim
 
-    mixed = linear(u, p["in_proj_qkv"])
+    mixed, z = linear_group(u, p, ("in_proj_qkv", "in_proj_z"))
+    b_raw, a_raw = linear_group(u, p, ("in_proj_b", "in_proj_a"))
     x_full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
     if ends is None:
         new_conv = last_valid(x_full, n_valid, kernel - 1)
@@ -257,9 +258,9 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
     q = mixed[..., : hk * dk].reshape(bsz, t, hk, dk)
     k = mixed[..., hk * dk : 2 * hk * dk].reshape(bsz, t, hk, dk)
     v = mixed[..., 2 * hk * dk :].reshape(bsz, t, hv, dv)
-    z = linear(u, p["in_proj_z"]).reshape(bsz, t, hv, dv)
-    beta = jax.nn.sigmoid(linear(u, p["in_proj_b"])).astype(jnp.float32)
-    a = linear(u, p["in_proj_a"]).astype(jnp.float32)
+    z = z.reshape(bsz, t, hv, dv)
+    beta = jax.nn.sigmoid(b_raw).astype(jnp.float32)
+    a = a_raw.astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
     g = jnp.where(valid[..., None], g, 0.0)
     beta = jnp.where(valid[..., None], beta, 0.0)

@@ -6,17 +6,16 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import linear
+from .layers import linear, linear_group
 
 
-def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, H] -> (expert ids [M, k] int32, weights [M, k] in x.dtype). Ties: lowest expert index first."""
-    logits = linear(x, p["gate"])
+def route(logits: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """Router logits [M, E] -> (expert ids [M, k] int32, weights [M, k] in dtype). Ties: lowest expert index first."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    return top_i.astype(jnp.int32), top_p.astype(x.dtype)
+    return top_i.astype(jnp.int32), top_p.astype(dtype)
 
 
 def routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down):
@@ -55,9 +54,11 @@ def moe_forward(p: dict, cfg: ModelConfig, u: jax.Array) -> jax.Array:
     """u [..., H] -> routed + gated shared expert output [..., H]."""
     shape = u.shape
     x = u.reshape(-1, shape[-1])
-    ids, weights = route(p, cfg, x)
+    router_logits, shared_gate = linear_group(x, p, ("gate", "shared_expert_gate"))
+    ids, weights = route(router_logits, cfg, x.dtype)
     routed = routed_experts(x, ids, weights, p["experts"]["gate_up_proj"], p["experts"]["down_proj"])
     se = p["shared_expert"]
-    shared = linear(jax.nn.silu(linear(x, se["gate_proj"])) * linear(x, se["up_proj"]), se["down_proj"])
-    shared = jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
+    gate, up = linear_group(x, se, ("gate_proj", "up_proj"))
+    shared = linear(jax.nn.silu(gate) * up, se["down_proj"])
+    shared = jax.nn.sigmoid(shared_gate) * shared
     return (routed + shared).reshape(shape)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .gdn import causal_conv, last_valid
-from .layers import grouped_rms_norm, linear
+from .layers import grouped_rms_norm, linear_group
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -117,8 +117,8 @@ def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid, 
     s, h = cfg.hc_count, cfg.hidden_size
     bsz, t, _ = x.shape
     e = rows.astype(x.dtype)
-    key = grouped_rms_norm(linear(e, p["key_proj"]), p["norm_key"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
-    value = linear(e, p["value_proj"])
+    key, value = linear_group(e, p, ("key_proj", "value_proj"))
+    key = grouped_rms_norm(key, p["norm_key"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
     query = grouped_rms_norm(x, p["norm_query"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
     gate = jnp.sum(key * query, axis=-1, keepdims=True) / math.sqrt(h)
     gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), 1e-6)) * jnp.sign(gate)

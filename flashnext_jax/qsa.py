@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import apply_rope, linear, rms_norm, rope_cos_sin
+from .layers import apply_rope, linear, linear_group, rms_norm, rope_cos_sin
 
 
 def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
@@ -74,11 +74,12 @@ def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache):
     k_cache, v_cache, index_cache = cache
     length = k_cache.shape[1]
 
-    qg = linear(u, p["q_proj"]).reshape(bsz, t, nh, 2 * hd)
+    qg, k, v = linear_group(u, p, ("q_proj", "k_proj", "v_proj"))
+    qg = qg.reshape(bsz, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(linear(u, p["k_proj"]).reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = linear(u, p["v_proj"]).reshape(bsz, t, nkv, hd)
+    k = rms_norm(k.reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(bsz, t, nkv, hd)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     k = apply_rope(k, cos[:, :, None], sin[:, :, None])

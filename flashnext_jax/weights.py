@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import GDN, ModelConfig
+from .layers import FusedLinear
 
 
 class CheckpointError(ValueError):
@@ -161,12 +162,57 @@ def param_path(name: str) -> list[str]:
     return (name[: -len(".weight")] if name.endswith(".weight") else name).split(".")
 
 
-def build_params(cfg: ModelConfig, tensors: Mapping[str, Any], dtype) -> dict:
-    """Canonical tensors (complete, checked) -> nested params dict."""
+def build_params(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, *, fuse: bool = True) -> dict:
+    """Canonical tensors (complete, checked) -> nested params dict (same-input projections fused, see
+    `fuse_projections`, unless fuse=False)."""
     tree: dict = {}
     for name, value in tensors.items():
         _set(tree, param_path(name), to_param(name, value, dtype))
-    return _lists(tree)
+    params = _lists(tree)
+    return fuse_projections(params) if fuse else params
+
+
+# Projections that read the same input, in output order. Merged at load time into one FusedLinear when every
+# part is present and they share a format (all plain of one dtype, or all quantized with one bits / group /
+# scale dtype): the decode step then launches one matmul instead of 2-3 (plus their split-K sums) on a bigger
+# weight. Parts that cannot be merged (mixed formats in a checkpoint) stay separate; `layers.linear_group` takes both.
+FUSED_PROJECTIONS = (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"), ("q_proj", "k_proj", "v_proj"),
+                     ("gate_proj", "up_proj"), ("key_proj", "value_proj"), ("gate", "shared_expert_gate"))
+
+
+def _merge(parts: list) -> FusedLinear | None:
+    from pallas_kernels.quant_layout import QuantizedWeight
+
+    if all(isinstance(w, jax.Array) and w.ndim == 2 for w in parts):
+        if len({(w.dtype, w.shape[1]) for w in parts}) == 1:  # plain [out, in]: stack the rows
+            return FusedLinear(jnp.concatenate(parts, axis=0), tuple(int(w.shape[0]) for w in parts))
+    elif all(isinstance(w, QuantizedWeight) and w.ndim == 2 for w in parts):
+        if len({(w.bits, w.group_size, w.k, w.scales.dtype, tuple(p.dtype for p in w.planes)) for w in parts}) == 1:
+            first = parts[0]  # quantized [K, N]: append the columns of every plane and of the scales
+            planes = tuple(jnp.concatenate([w.planes[i] for w in parts], axis=-1) for i in range(len(first.planes)))
+            merged = QuantizedWeight(planes=planes, scales=jnp.concatenate([w.scales for w in parts], axis=-1),
+                                     bits=first.bits, group_size=first.group_size, k=first.k,
+                                     n=sum(w.n for w in parts))
+            return FusedLinear(merged, tuple(w.n for w in parts))
+    return None
+
+
+def fuse_projections(node: Any) -> Any:
+    """Params with every FUSED_PROJECTIONS group merged under the key "+".join(names) (recursively: decoder
+    layers and the MTP head alike)."""
+    if isinstance(node, list):
+        return [fuse_projections(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: fuse_projections(v) for k, v in node.items()}
+    for names in FUSED_PROJECTIONS:
+        if all(n in node for n in names):
+            merged = _merge([node[n] for n in names])
+            if merged is not None:
+                for n in names:
+                    del node[n]
+                node["+".join(names)] = merged
+    return node
 
 
 def check_tensors(cfg: ModelConfig, shapes: Mapping[str, tuple]) -> bool:
