@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from flashnext_jax.sampling import (SamplingParams, apply_penalties, probs_from_logits, propose, sample, verify)
+from flashnext_jax.sampling import (SamplingParams, apply_penalties, nucleus_mask, probs_from_logits, propose, sample,
+                                    verify)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -98,3 +99,29 @@ def test_sampled_acceptance_rate_is_sum_of_min_p_q():
         d, q = propose(q_logits[None], sp, 0)
         acc += verify(np.stack([p_logits, p_logits]), d, q, sp, [], 0)[0]
     assert abs(acc / 4000 - 0.75) < 0.03
+
+
+def _full_sort_nucleus(p, top_p):
+    order = np.argsort(-p, kind="stable")
+    csum = np.cumsum(p[order])
+    mask = np.zeros(p.shape[0], dtype=bool)
+    mask[order[(csum - p[order]) < top_p]] = True
+    return mask
+
+
+@pytest.mark.parametrize("vocab", [1000, 248320])
+@pytest.mark.parametrize("shape", ["peaked", "medium", "flat", "ties"])
+def test_nucleus_equals_the_full_sort(vocab, shape):
+    """The thresholded partial sort picks exactly the full sort's top-p set (ties broken by token id)."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal(vocab)
+    if shape == "peaked":
+        x = x * 8
+    elif shape == "medium":
+        x = x * 3.5
+    elif shape == "ties":  # few distinct values: ties straddle every threshold
+        x = np.round(x * 4) / 2
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999999):
+        np.testing.assert_array_equal(nucleus_mask(p, top_p), _full_sort_nucleus(p, top_p), err_msg=f"top_p={top_p}")
