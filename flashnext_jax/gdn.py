@@ -14,9 +14,10 @@ matmuls: FLASHNEXT_KERNELS=auto|pallas|interpret|reference, see pallas_kernels/k
   * "pallas" (auto on GPU) with bf16/fp16 activations, and "interpret" (the kernels interpreted on CPU, for tests):
     the Pallas kernels of pallas_kernels/ (docs/kernels-gdn.md) in their FLA conventions: q, k per key head (the
     kernel maps key head i to value heads i*rep ..), L2 norm and Dk^-0.5 scale inside the kernel. Prefill = the
-    chunked kernel (`chunk_gated_delta_rule`), T <= 4 without checkpoints and the checkpoint tail = the slot decode
-    kernel (`recurrent_gated_delta_rule_slots`) on a fresh [B, T|K1, Hv, Dk, Dv] state array whose column 0 holds
-    the starting state (slots = arange(B)): it writes the state after token t to column t.
+    chunked kernel (`chunk_gated_delta_rule`); T <= 4 without checkpoints = the slot decode kernel
+    (`recurrent_gated_delta_rule_slots`) on a fresh [B, T, Hv, Dk, Dv] state array whose column 0 holds the
+    starting state (slots = arange(B)); checkpoint columns = the engine's store path below on a fresh one-layer
+    leaf (`delta_rule_kernels`).
   * the engine (`RealRunner.step`) on the kernel path passes a `StoreRecState` instead of a state: the kernels read
     and write the store's all-layer leaf by (slot, column, layer) in place (`delta_rule_in_store`).
 The causal conv is XLA on every path (a memory-bound multiply-add; the Pallas decode conv is not used yet).

@@ -63,7 +63,8 @@ class DenseConfig:
     # then feeds the dequantized weights to wgmma straight from registers (m64n16k16, A in registers, x^T
     # from shared memory); with the weights on the right they must go register -> shared memory -> mma.sync
     # operand (checked offline: Triton 3.9 for sm_90 emits wgmma with a register A operand and 18 shared
-    # loads per loop body instead of mma.sync fed by 86). Needs bn a multiple of 64 (one warp group's rows).
+    # loads per loop body instead of mma.sync fed by 86). Wants bn a multiple of 64 (one warp group's rows of
+    # wgmma); any bn computes the same result.
     weights_left: bool = False
 
 
