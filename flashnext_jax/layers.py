@@ -7,6 +7,7 @@ and cast back to the input dtype, exactly as the reference does.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -67,6 +68,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
+SMALL_DOT_MAX_ROWS = 8  # linear: up to this many tokens ...
+SMALL_DOT_MAX_WEIGHTS = 1 << 20  # ... against a plain weight of at most this many elements: multiply + reduce
+
+
 def linear(x: jax.Array, w) -> jax.Array:
     """y = x @ W^T for a plain weight stored [out, in] (torch's orientation, see weights.orient), or x @ W for a
     quantized weight [K=in, N=out] run by the kernel switch.
@@ -74,6 +79,13 @@ def linear(x: jax.Array, w) -> jax.Array:
     Accumulates in fp32; fp32 params use full-precision dots (no TF32 on GPU) so fp32 parity tests mean something.
     """
     if isinstance(w, jax.Array):
+        rows = math.prod(x.shape[:-1])
+        if w.dtype != jnp.float32 and rows <= SMALL_DOT_MAX_ROWS and w.size <= SMALL_DOT_MAX_WEIGHTS:
+            # A few tokens against a small weight (routers, in_proj_a/b, block_inject): an XLA row reduction.
+            # As a dot, M >= 2 went to a cuBLAS / Triton GEMM of 9 us per call for a 33x2560 router (H200,
+            # bench/results/decode_step.json, stop 10), ~1 ms of the B=2 real-size decode step.
+            prod = x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32)
+            return jnp.sum(prod, axis=-1).astype(x.dtype)
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32)

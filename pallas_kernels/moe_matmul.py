@@ -503,8 +503,9 @@ def routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up: QuantizedWeigh
         gsum = gu.sum(axis=0)
         gu = (jax.nn.silu(gsum[:, 0]) * gsum[:, 1]).astype(x.dtype)  # unchanged baseline glue
     y = _gemv_down(gu, ids, None, w_down, bn2, s2, x.dtype, opts)
-    out = jnp.einsum("mk,smkh->mh", expert_weights.astype(jnp.float32), y.reshape(s2, m, k, h))
-    return out.astype(x.dtype)
+    # A multiply + reduce, not an einsum: XLA made the einsum a generic fusion of 4.8 us per layer (H200, stop 10)
+    weighted = y.reshape(s2, m, k, h) * expert_weights.astype(jnp.float32)[None, :, :, None]
+    return weighted.sum(axis=(0, 2)).astype(x.dtype)
 
 
 def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: str | None = None,
