@@ -289,8 +289,8 @@ def main():
         best = {}
         for B in (1, 16):
             res = []
-            for bv in ((16,) if SMOKE else (16, 32, 64)):
-                for nw in ((4,) if SMOKE else (2, 4)):
+            for bv in ((16,) if SMOKE else (8, 16, 32, 64)):
+                for nw in ((4,) if SMOKE else (1, 2, 4)):
                     tune = dict(block_v=bv, num_warps=nw)
                     try:
                         t, _ = time_jax_decode(L, B, 1, tune, n_iter=2)
@@ -417,8 +417,8 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gdn.json"), "w") as f:
+    if os.environ.get("OUT"):  # named after --out: an A/B run with another --out must not overwrite this one
+        with open(os.path.join(os.environ["OUT"], os.path.basename(args.out)), "w") as f:
             json.dump(out, f, indent=1)
     log("\n| case | jax | fla | speedup / over floor |")
     for r in ROWS:
