@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import re
@@ -32,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
 from flashnext_jax.model import Batch, forward, init_state
 from flashnext_jax.weights import _lists, _set, expected_tensors, fuse_projections, orient, param_path
@@ -224,13 +223,7 @@ def main():
             row["error"] = repr(e)[:400]
         print(row, flush=True)
         rows.append(row)
-    out = dict(device=dev.device_kind, jax_version=jax.__version__, copy_bw_bytes_per_s=bw,
-               kernels=os.environ.get("FLASHNEXT_KERNELS", "auto"), xla_flags=os.environ.get("XLA_FLAGS", ""),
-               smoke=SMOKE,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
-    path = args.out or os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), "decode_step.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    save_result("decode_step.json", rows, args.out, copy_bw_bytes_per_s=bw, smoke=SMOKE)
     print(f"\n{'B':>3} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'floor ms':>9} {'frac':>5} {'compile s':>9}")
     for r in rows:
         print(f"{r['batch']:3d} {r.get('ms_per_step', float('nan')):8.2f} {r.get('tokens_per_s', float('nan')):8.1f} "

@@ -81,6 +81,10 @@ def _rng(params: SamplingParams, index: int, purpose: int) -> np.random.Generato
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_prompt: int) -> np.ndarray:
+    """Repetition / presence / frequency penalties in float64; the logits themselves (no copy) when none apply."""
+    rep = params.repetition_penalty != 1.0 and len(tokens)
+    if not rep and not ((params.presence_penalty or params.frequency_penalty) and len(tokens) > num_prompt):
+        return logits
     x = logits.astype(np.float64)
     if params.repetition_penalty != 1.0 and len(tokens):
         seen = np.unique(np.asarray(tokens, np.int64))
@@ -162,27 +166,29 @@ def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: Sam
     hist = list(tokens)
     out: list[int] = []
     for i in range(len(drafts) + 1):
-        p = probs_from_logits(apply_penalties(target[i], params, hist, num_prompt), params)
-        if i == len(drafts):
-            t = int(np.argmax(p)) if params.greedy else _draw(p, _rng(params, num_out + i, 0))
-            return i, out + [t]
-        d = drafts[i]
-        if params.greedy:
-            t = int(np.argmax(p))
-            if t != d:
+        x = apply_penalties(target[i], params, hist, num_prompt)
+        if params.greedy:  # the argmax of the one-hot distribution probs_from_logits would build
+            t = int(np.argmax(x))
+            if i == len(drafts) or t != drafts[i]:
                 return i, out + [t]
-        else:
-            q = draft_probs[i] if i < len(draft_probs) and draft_probs[i] is not None else None
-            qd = 1.0 if q is None else float(q[d])
-            if not _rng(params, num_out + i, 1).random() < min(1.0, p[d] / qd if qd > 0 else 1.0):
-                resid = p.copy()
-                if q is None:
-                    resid[d] = 0.0
-                else:
-                    resid = np.maximum(p - q, 0.0)
-                if resid.sum() <= 0:
-                    resid = p
-                return i, out + [_draw(resid / resid.sum(), _rng(params, num_out + i, 2))]
+            out.append(t)
+            hist.append(t)
+            continue
+        p = probs_from_logits(x, params)
+        if i == len(drafts):
+            return i, out + [_draw(p, _rng(params, num_out + i, 0))]
+        d = drafts[i]
+        q = draft_probs[i] if i < len(draft_probs) and draft_probs[i] is not None else None
+        qd = 1.0 if q is None else float(q[d])
+        if not _rng(params, num_out + i, 1).random() < min(1.0, p[d] / qd if qd > 0 else 1.0):
+            resid = p.copy()
+            if q is None:
+                resid[d] = 0.0
+            else:
+                resid = np.maximum(p - q, 0.0)
+            if resid.sum() <= 0:
+                resid = p
+            return i, out + [_draw(resid / resid.sum(), _rng(params, num_out + i, 2))]
         out.append(d)
         hist.append(d)
     raise AssertionError("unreachable")

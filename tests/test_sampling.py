@@ -68,6 +68,12 @@ def test_greedy_verify_is_exact():
     assert verify(target, [1, 2], [None, None], g, [0], 0) == (2, [1, 2, 0])  # all accepted + bonus
     assert verify(target, [1, 0], [None, None], g, [0], 0) == (1, [1, 2])  # second rejected -> target's token
     assert verify(target, [2, 2], [None, None], g, [0], 0) == (0, [1])
+    # penalties see the accepted drafts: token 1 is penalised after it was accepted (5 / 2 < 4.9)
+    t2 = np.array([[0, 5, 4.9], [0, 5, 4.9]], np.float32)
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert verify(t2, [1], [None], rep, [0], 0) == (1, [1, 2])
+    assert verify(t2, [1], [None], g, [0], 0) == (1, [1, 1])
+    assert t2.tolist() == np.array([[0, 5, 4.9], [0, 5, 4.9]], np.float32).tolist()  # logits never modified
 
 
 @pytest.mark.parametrize("q_kind", ["sampled", "deterministic"])
