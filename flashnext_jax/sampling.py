@@ -82,15 +82,16 @@ def _rng(params: SamplingParams, index: int, purpose: int) -> np.random.Generato
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_prompt: int) -> np.ndarray:
     """Repetition / presence / frequency penalties in float64; the logits themselves (no copy) when none apply."""
-    rep = params.repetition_penalty != 1.0 and len(tokens)
-    if not rep and not ((params.presence_penalty or params.frequency_penalty) and len(tokens) > num_prompt):
+    repetition = params.repetition_penalty != 1.0 and len(tokens) > 0
+    counted = bool(params.presence_penalty or params.frequency_penalty) and len(tokens) > num_prompt
+    if not (repetition or counted):
         return logits
     x = logits.astype(np.float64)
-    if params.repetition_penalty != 1.0 and len(tokens):
+    if repetition:
         seen = np.unique(np.asarray(tokens, np.int64))
         v = x[seen]
         x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and len(tokens) > num_prompt:
+    if counted:
         counts = np.bincount(np.asarray(tokens[num_prompt:], np.int64), minlength=x.shape[0])[: x.shape[0]]
         x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return x
