@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import sampling
@@ -69,12 +70,42 @@ class ModelRunner(Protocol):
 _JIT: dict[int, tuple[Any, Callable]] = {}
 
 
+def with_device_argmax(step: Callable) -> Callable:
+    """runner.step plus, for "logits" and "draft_logits", the argmax over the vocabulary ("<name>_argmax") and
+    whether every logit is finite ("<name>_finite"), computed on the device: greedy rows commit from these few
+    bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real vocabulary)."""
+    def run(params, store, batch):
+        store, out = step(params, store, batch)
+        out = dict(out)
+        for name in ("logits", "draft_logits"):
+            out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
+            out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
+        return store, out
+    return run
+
+
 def jitted_step(runner: ModelRunner) -> Callable:
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        hit = (runner, jax.jit(runner.step, donate_argnums=(1,)))
+        hit = (runner, jax.jit(with_device_argmax(runner.step), donate_argnums=(1,)))
         _JIT[id(runner)] = hit
     return hit[1]
+
+
+class HostOutputs:
+    """One step's outputs, copied to the host on first use and only the ones used (the full logits only when a
+    row samples with a temperature or penalties)."""
+
+    def __init__(self, out: dict):
+        self._out, self._host = out, {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._host:
+            self._host[name] = np.asarray(self._out[name])
+        return self._host[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._out[name].shape)
 
 
 # --------------------------------------------------------------------------------------------------- the engine
@@ -264,8 +295,7 @@ class Engine:
 
     # ---- deferred work: consumes only the ticket and its own step's outputs
     def _commit(self, ticket: StepTicket, out) -> list[Request]:
-        logits = np.asarray(out["logits"])
-        dlogits = np.asarray(out["draft_logits"])
+        host = HostOutputs(out)
         updated = []
         for r in ticket.rows:
             req = self.requests[r.request_id]
@@ -281,21 +311,27 @@ class Engine:
                 s, g = self._last_rows[r.row] if r.row < len(self._last_rows) else (-1, 0)
                 ref = SlotRef(s, g) if s >= 0 else r.slot
                 self.ledger.debug = False
-            self._commit_row(req, r, ref, logits[r.row], dlogits[r.row])
+            self._commit_row(req, r, ref, host)
             updated.append(req)
         self.counters["commits"] += 1
         return updated
 
-    def _commit_row(self, req: Request, r: RowTicket, ref, logits: np.ndarray, dlogits: np.ndarray):
+    def _commit_row(self, req: Request, r: RowTicket, ref, host: HostOutputs):
         new_tokens: list[int] = []
+        on_device = req.params.device_argmax  # greedy without penalties: the device's argmax is the token
         if not r.samples:
             accepted_inputs = r.n
         else:
             nd = r.num_drafts
             first = r.n - 1 - nd  # offset of the last known token
             cols = [first + i - r.base for i in range(nd + 1)]
-            m, new_tokens = sampling.verify(logits[cols], list(r.tokens[first + 1:]), req.draft_probs[:nd],
-                                            req.params, req.tokens, len(req.output), req.request_id)
+            drafts = list(r.tokens[first + 1:])
+            if on_device:
+                m, new_tokens = sampling.verify_argmax(host["logits_argmax"][r.row, cols],
+                                                       host["logits_finite"][r.row, cols], drafts, req.request_id)
+            else:
+                m, new_tokens = sampling.verify(host["logits"][r.row, cols], drafts, req.draft_probs[:nd],
+                                                req.params, req.tokens, len(req.output), req.request_id)
             accepted_inputs = first + 1 + m
             req.metrics["num_drafts"] += nd
             req.metrics["num_accepted"] += m
@@ -319,9 +355,14 @@ class Engine:
                 self.sched.finish(req, reason)
                 req.metrics["finish_time"] = time.monotonic()
                 return
-        nd = min(self.cfg.num_speculative_tokens, dlogits.shape[1])
+        nd = min(self.cfg.num_speculative_tokens, host.shape("draft_logits")[2])
         if nd:
-            drafts, probs = sampling.propose(dlogits[col, :nd], req.params, len(req.output), req.request_id)
+            if on_device:
+                drafts, probs = sampling.propose_argmax(host["draft_logits_argmax"][r.row, col, :nd],
+                                                        host["draft_logits_finite"][r.row, col, :nd], req.request_id)
+            else:
+                drafts, probs = sampling.propose(host["draft_logits"][r.row, col, :nd], req.params, len(req.output),
+                                                 req.request_id)
             if self.draft_hook is not None:
                 hooked = list(self.draft_hook(req, list(drafts)))[:nd]
                 probs = [p if h == d else None for h, d, p in zip(hooked, drafts, probs)]

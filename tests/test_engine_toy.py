@@ -177,6 +177,22 @@ def test_greedy_mtp_equals_no_mtp_and_solo():
     assert base == [solo_greedy(CFG, p, 12, ignore_eos=True, max_len=MAX_LEN) for p in PROMPTS]
 
 
+def test_greedy_rows_never_copy_logits_to_the_host(monkeypatch):
+    """Greedy rows without penalties commit from the device's argmax (engine.with_device_argmax); rows that sample
+    or apply penalties still read the full logits."""
+    from flashnext_jax import engine as engine_module
+
+    fetched = set()
+    real = engine_module.HostOutputs.__getitem__
+    monkeypatch.setattr(engine_module.HostOutputs, "__getitem__", lambda self, name: fetched.add(name) or real(self, name))
+    out, _ = _generate(PROMPTS, GREEDY, num_speculative_tokens=1)
+    assert out == [solo_greedy(CFG, p, 12, ignore_eos=True, max_len=MAX_LEN) for p in PROMPTS]
+    assert fetched == {"logits_argmax", "logits_finite", "draft_logits_argmax", "draft_logits_finite"}
+    fetched.clear()
+    _generate(PROMPTS[:1], SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=4, ignore_eos=True))
+    assert "logits" in fetched
+
+
 def test_chunked_prefill_equals_one_shot():
     one, _ = _generate(PROMPTS, GREEDY, max_num_batched_tokens=64)
     chunked, _ = _generate(PROMPTS, GREEDY, max_num_batched_tokens=3)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from flashnext_jax.sampling import (SamplingParams, apply_penalties, nucleus_mask, probs_from_logits, propose, sample,
-                                    verify)
+from flashnext_jax.sampling import (SamplingParams, apply_penalties, nucleus_mask, probs_from_logits, propose,
+                                    propose_argmax, sample, verify, verify_argmax)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -131,3 +131,36 @@ def test_nucleus_equals_the_full_sort(vocab, shape):
     p /= p.sum()
     for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999999):
         np.testing.assert_array_equal(nucleus_mask(p, top_p), _full_sort_nucleus(p, top_p), err_msg=f"top_p={top_p}")
+
+
+def test_device_argmax_commit_equals_host_verify_and_propose():
+    """Greedy rows without penalties commit from the step's device argmax and finite flags
+    (engine.with_device_argmax): the same tokens as verify / propose on the full logits, ties included."""
+    import jax.numpy as jnp
+
+    from flashnext_jax.engine import with_device_argmax
+
+    rng = np.random.default_rng(7)
+    g = SamplingParams(temperature=0.0)
+    assert g.device_argmax and not SamplingParams(temperature=0.0, repetition_penalty=1.1).device_argmax
+    assert not SamplingParams(temperature=0.7).device_argmax
+    for trial in range(40):
+        logits = rng.integers(0, 4, size=(3, 1, 4, 9)).astype(np.float32)  # small integers: many ties
+        dlogits = rng.integers(0, 4, size=(3, 1, 4, 2, 9)).astype(np.float32)
+        _, out = with_device_argmax(lambda p, s, b: (s, {"logits": jnp.asarray(logits),
+                                                         "draft_logits": jnp.asarray(dlogits)}))(None, None, None)
+        am, fin = np.asarray(out["logits_argmax"]), np.asarray(out["logits_finite"])
+        for row in range(3):
+            drafts = [int(np.argmax(logits[row, 0, i])) if trial % 2 else int(rng.integers(9)) for i in range(3)]
+            assert verify_argmax(am[row, 0], fin[row, 0], drafts, "r") == verify(logits[row, 0], drafts, [None] * 3,
+                                                                                  g, [1], 0, "r")
+            assert propose_argmax(np.asarray(out["draft_logits_argmax"])[row, 0, 1],
+                                  np.asarray(out["draft_logits_finite"])[row, 0, 1], "r") == propose(
+                dlogits[row, 0, 1], g, 0, "r")
+    bad = np.array([[0.0, np.nan, 1.0]], np.float32)
+    _, out = with_device_argmax(lambda p, s, b: (s, {"logits": jnp.asarray(bad), "draft_logits": jnp.asarray(bad)}))(
+        None, None, None)
+    with pytest.raises(FloatingPointError):
+        verify_argmax(np.asarray(out["logits_argmax"]), np.asarray(out["logits_finite"]), [], "r")
+    with pytest.raises(FloatingPointError):
+        propose_argmax(np.asarray(out["draft_logits_argmax"]), np.asarray(out["draft_logits_finite"]), "r")
