@@ -2,7 +2,7 @@
 
 bench/decode_step.py times `model.forward` alone. This runs the whole engine (`LLM` over `RealRunner`): scheduler,
 tickets, the store (GDN state updated in place by the kernels, QSA K/V in pages), the host side (PLE rows, greedy
-sampling on the host, commit), with the same random INT4-Mixed weights (`decode_step.build`, 32 of 512 experts
+tokens, commit), with the same random INT4-Mixed weights (`decode_step.build`, 32 of 512 experts
 kept: bytes per step as the full model). There is no real n-gram table here, so `host_prepare` returns random PLE
 rows of the right shape (the real one gathers 8 rows per token from a host table). For each batch size: B
 requests with `--prompt`-token prompts, greedy, `--tokens` new tokens each; reported: ms per engine step and
