@@ -70,11 +70,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def device_argmax(self) -> bool:
         """Greedy without penalties: every token is the argmax of the raw logits, which the engine's step computes
         on the device, so the full-vocabulary logits never need to reach the host."""
-        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty)
+        return self.greedy and not self.has_penalties
 
     def with_defaults(self) -> "SamplingParams":
         """A sampled request without a seed gets a random one now, so its whole stream is fixed from here on."""
@@ -149,10 +152,14 @@ def probs_from_logits(x: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p / p.sum()
 
 
-def _check_finite(logits: np.ndarray, rid: str, finite: np.ndarray | None = None):
-    """Raises for any non-finite logit (or a False in the device's all-finite flags `finite`, when given)."""
-    if not np.all(np.isfinite(logits) if finite is None else finite):
+def check_finite_flags(finite, rid: str):
+    """Raises unless every flag is True (np.isfinite of a row's logits, or the device's all-finite flags)."""
+    if not np.all(finite):
         raise FloatingPointError(f"non-finite logits for request {rid!r}: its state is corrupt (poisoned slot?)")
+
+
+def _check_finite(logits: np.ndarray, rid: str):
+    check_finite_flags(np.isfinite(logits), rid)
 
 
 def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -206,7 +213,7 @@ def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: Sam
 def verify_argmax(argmax: np.ndarray, finite: np.ndarray, drafts: list[int], rid: str = "?") -> tuple[int, list[int]]:
     """`verify` for SamplingParams.device_argmax rows from the device's per-column argmax [nd + 1] and all-finite
     flags [nd + 1] of the same logits: the same result as verify(logits, ...) without the logits."""
-    _check_finite(argmax, rid, finite)
+    check_finite_flags(finite, rid)
     for i, t in enumerate(int(a) for a in argmax):
         if i == len(drafts) or t != drafts[i]:
             return i, list(drafts[:i]) + [t]
@@ -215,7 +222,7 @@ def verify_argmax(argmax: np.ndarray, finite: np.ndarray, drafts: list[int], rid
 
 def propose_argmax(argmax: np.ndarray, finite: np.ndarray, rid: str = "?"):
     """`propose` for SamplingParams.device_argmax rows from the device's argmax [nd] and all-finite flags [nd]."""
-    _check_finite(argmax, rid, finite)
+    check_finite_flags(finite, rid)
     return [int(t) for t in argmax], [None] * len(argmax)
 
 
