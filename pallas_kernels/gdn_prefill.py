@@ -62,15 +62,16 @@ def _l2(x):
 # ----------------------------------------------------------------------------------------------------------
 # K1: per-chunk WY preparation
 # ----------------------------------------------------------------------------------------------------------
+def _chunk_program(cmeta_ref, ratio):
+    """K1's program: (chunk c, value head h, its key head, first token of the chunk, valid rows in the chunk)."""
+    c, h = pl.program_id(0), pl.program_id(1)
+    return c, h, h // ratio, cmeta_ref[c, 0], cmeta_ref[c, 1]
+
+
 def _wy_kernel(cmeta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, gc_ref, *, ratio, scale, l2,
                dt, interpret):
-    c = pl.program_id(0)
-    h = pl.program_id(1)
-    hk = h // ratio
-    tok0 = cmeta_ref[c, 0]
-    clen = cmeta_ref[c, 1]
-    Dk = q_ref.shape[-1]
-    Dv = v_ref.shape[-1]
+    c, h, hk, tok0, clen = _chunk_program(cmeta_ref, ratio)
+    Dk, Dv = q_ref.shape[-1], v_ref.shape[-1]
     r16 = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     c16 = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     strict = r16 > c16
@@ -165,13 +166,8 @@ def _wy_wide_kernel(cmeta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, 
       * w = X (beta e^gc k), u = X (beta v) as one 64x64 @ 64x128 dot each; beta e^gc k is formed in bf16 right
         away (keeping the fp32 k alive until here spilled).
     H200, T = 16K: 0.855 ms vs 0.987 ms for `_wy_kernel` (bench/results/gdn_probe.json)."""
-    c = pl.program_id(0)
-    h = pl.program_id(1)
-    hk = h // ratio
-    tok0 = cmeta_ref[c, 0]
-    clen = cmeta_ref[c, 1]
-    Dk = q_ref.shape[-1]
-    Dv = v_ref.shape[-1]
+    c, h, hk, tok0, clen = _chunk_program(cmeta_ref, ratio)
+    Dk, Dv = q_ref.shape[-1], v_ref.shape[-1]
     f32 = jnp.float32
     rows = pl.ds(tok0, C)
     ar = lax.broadcasted_iota(jnp.int32, (C,), 0)
