@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
+from bench.quant_matmul import copy_bandwidth, device_time
 from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
 from flashnext_jax.model import Batch, forward, init_state
@@ -104,20 +105,6 @@ def build(cfg, key):
     return fuse_projections(_lists(tree)), always, per_expert  # as flashnext_jax.load builds them
 
 
-def copy_bandwidth():
-    x = jnp.ones((64 if SMOKE else 256) * 1024 * 1024 // 4, jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        jax.block_until_ready(y)
-        ts.append((time.perf_counter() - t0) / 10)
-    return 2 * x.nbytes / statistics.median(ts)
-
-
 def fusion_bodies(hlo: str, names, max_chars=1500):
     """For each kernel name of the profile, the fused computation XLA emitted for it (op lines, truncated), so a
     slow XLA fusion can be traced back to the model code that produced it."""
@@ -163,8 +150,6 @@ def run(cfg, params, bsz, context, steps, key, hlo=True):
         ts.append((time.perf_counter() - t0) / steps)
     profile = None
     if not SMOKE:  # where the device time goes: summed kernel durations per step, the largest kernels by name
-        from bench.quant_matmul import device_time
-
         def one_step():
             nonlocal state
             out, state = step(params, batches[0], state)
@@ -200,7 +185,7 @@ def main():
     context = 32 if SMOKE else args.context
     dev = jax.devices()[0]
     print(f"{dev.device_kind} jax {jax.__version__} kernels={os.environ.get('FLASHNEXT_KERNELS', 'auto')}", flush=True)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(64 << 20 if SMOKE else 2 << 30)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     params, always, per_expert = build(cfg, jax.random.key(0))

@@ -99,15 +99,16 @@ def measure(fn, *args, n_calls):
     return (dev / n_calls if dev else wall), wall, {k: v / n_calls * 1e6 for k, v in top.items()}
 
 
-def copy_bandwidth():
-    x = jax.random.normal(jax.random.key(0), (512 << 20,), jnp.float32)  # 2 GiB
+def copy_bandwidth(nbytes: int = 2 << 30):
+    """Bytes/s of an XLA read + write of an `nbytes` float32 array (device time when the profiler gives it)."""
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
     t = timeit(f, x, reps=15)
     td, _ = device_time(f, x, reps=5)
     print(f"copy: wall {t * 1e6:.0f}us device {td * 1e6 if td else float('nan'):.0f}us", flush=True)
     t = td or t
     del x
-    return 2 * (2 << 30) / t
+    return 2 * nbytes / t
 
 
 def random_qweight(key, lead, k, n, bits, group, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
