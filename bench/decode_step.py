@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from bench.quant_matmul import copy_bandwidth, device_time
 from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
+from flashnext_jax.layer_stack import with_stacked_layers
 from flashnext_jax.model import Batch, forward, init_state
 from flashnext_jax.weights import _lists, _set, expected_tensors, fuse_projections, orient, param_path
 from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight
@@ -81,9 +82,10 @@ def random_quantized(key, shape_in_out, bits, group) -> QuantizedWeight:
     return QuantizedWeight(planes=tuple(planes), scales=scales, bits=bits, group_size=group, k=k, n=n)
 
 
-def build(cfg, key):
-    """Params tree of random weights in the INT4-Mixed scheme, built on the device; and the bytes a step reads:
-    (bytes read whatever the routing, bytes of one routed expert summed over all layers)."""
+def build(cfg, key, stack: bool = True):
+    """Params tree of random weights in the INT4-Mixed scheme, built on the device (layers stacked unless
+    stack=False); and the bytes a step reads: (bytes read whatever the routing, bytes of one routed expert summed
+    over all layers)."""
     tree: dict = {}
     always, per_expert = 0, 0
     for i, (name, shape) in enumerate(sorted(expected_tensors(cfg, with_mtp=False).items())):
@@ -102,7 +104,10 @@ def build(cfg, key):
         elif name != "embed_tokens.weight":  # the embedding is a row gather, not streamed
             always += nbytes
         _set(tree, param_path(name), value)
-    return fuse_projections(_lists(tree)), always, per_expert  # as flashnext_jax.load builds them
+    params = fuse_projections(_lists(tree))
+    if stack:  # as flashnext_jax.load does
+        params = with_stacked_layers(params, free_sources=True)
+    return params, always, per_expert
 
 
 def fusion_bodies(hlo: str, names, max_chars=1500):

@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .config import ModelConfig, from_hf_config
+from .layer_stack import with_stacked_layers
 from .model import Batch, State, forward, init_state
 from .mtp import init_mtp_cache, mtp_forward
 from .ple import NgramHasher, gather_rows
@@ -63,6 +64,8 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, params: dict, table, dtype, path: Path | None = None,
                  table_scale: float | None = None):
+        # decoder layers stacked over layers: ~80 arrays instead of ~1660, each costing host time per call
+        params = with_stacked_layers(params)
         self.cfg, self.params, self.table, self.dtype, self.path = cfg, params, table, dtype, path
         self.table_scale = table_scale  # FP8 n-gram tables carry one per-tensor scale
         self.hasher = NgramHasher(cfg) if cfg.ple_layers else None
@@ -185,7 +188,7 @@ def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
     has_mtp = check_tensors(cfg, {n: torch_shape(v) for n, v in tensors.items()})
     if cfg.ple_layers:
         _check_table(cfg, table, buffers)
-    params = build_params(cfg, tensors, jdtype)
+    params = with_stacked_layers(build_params(cfg, tensors, jdtype), free_sources=True)
     log.info("loaded %s (%d tensors%s) in %.1fs", path, len(tensors), ", MTP" if has_mtp else "",
              time.perf_counter() - t0)
     return Model(cfg, params, table, jdtype, path, table_scale)

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_call_options, gemv_layout
-from pallas_kernels.quant_layout import QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl
+from pallas_kernels.quant_layout import LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl
 from pallas_kernels.quant_matmul import _plane_slots, group_dot, pl_triton
 
 
@@ -100,6 +100,21 @@ def _expert_weight(w, e) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return dequantize(w[e])
     return jnp.asarray(w)[e].astype(jnp.float32)
+
+
+def _flat_experts(w_gate_up, w_down) -> tuple[QuantizedWeight, QuantizedWeight, int]:
+    """(w_gate_up, w_down, expert id offset) for the kernels. LayerSlices of weights stacked over layers
+    [L, E, K, N] become [L*E, K, N] (a reshape: no copy) with ids offset by layer * E, so the kernels read the
+    layer's experts in place; QuantizedWeights pass through with offset 0."""
+    if not isinstance(w_gate_up, LayerSlice) and not isinstance(w_down, LayerSlice):
+        return w_gate_up, w_down, 0
+    if not (isinstance(w_gate_up, LayerSlice) and isinstance(w_down, LayerSlice)) or w_gate_up.layer != w_down.layer:
+        raise ValueError("w_gate_up and w_down must be slices of the same layer of their stacks")
+
+    def flat(w: LayerSlice) -> QuantizedWeight:
+        return dataclasses.replace(w.stack, planes=tuple(p.reshape(-1, *p.shape[2:]) for p in w.stack.planes),
+                                   scales=w.stack.scales.reshape(-1, *w.stack.scales.shape[2:]))
+    return flat(w_gate_up), flat(w_down), w_gate_up.layer * w_gate_up.shape[0]
 
 
 def routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down) -> jax.Array:
@@ -220,7 +235,7 @@ def _check_moe_operands(x_shape, ids_shape, w_gate_up, w_down, kernel: str) -> t
     """The checks both MoE paths share: quantized stacked weights, x [M, H], ids [M, k], w_gate_up [E, H, 2I],
     w_down [E, I, H], I and H multiples of 16. Returns (E, H, I)."""
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not isinstance(w, QuantizedWeight):
+        if not isinstance(w, (QuantizedWeight, LayerSlice)):
             raise TypeError(f"the Pallas MoE kernel needs QuantizedWeight {name}, got {type(w).__name__}")
         if w.ndim != 3:
             raise ValueError(f"{name} must be stacked [E, K, N], got {w.shape}")
@@ -258,6 +273,9 @@ def routed_experts_pallas(x, expert_ids, expert_weights, w_gate_up: QuantizedWei
     bm = cfg.bm
     n_tiles = num_tiles_for(m, k, e_count, bm)
     src_token, tile_expert, pos = _tile_routing(expert_ids, bm, n_tiles)
+    w_gate_up, w_down, offset = _flat_experts(w_gate_up, w_down)
+    if offset:
+        tile_expert = jnp.where(tile_expert >= 0, tile_expert + offset, -1)
     xs = x[src_token]  # [n_tiles*bm, H]
     params = None
     if not interpret and pl_triton is not None:
@@ -492,7 +510,8 @@ def routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up: QuantizedWeigh
     bn1, s1, bn2, s2 = check_moe_gemv(x.shape, expert_ids.shape, w_gate_up, w_down, cfg)
     m, h = x.shape
     k = expert_ids.shape[1]
-    ids = expert_ids.reshape(m * k).astype(jnp.int32)
+    w_gate_up, w_down, offset = _flat_experts(w_gate_up, w_down)
+    ids = expert_ids.reshape(m * k).astype(jnp.int32) + offset
     opts = gemv_call_options(cfg, interpret)
     gu = _gemv_gate_up(x, ids, k, w_gate_up, bn1, s1, opts)
     if cfg.fused_glue:
@@ -518,12 +537,25 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: st
     if path not in MOE_PATHS:
         raise ValueError(f"path must be one of {MOE_PATHS}, got {path!r}")
     mode = resolve_impl(impl)
-    quantized = isinstance(w_gate_up, QuantizedWeight) and isinstance(w_down, QuantizedWeight)
+    kinds = (QuantizedWeight, LayerSlice)
+    quantized = isinstance(w_gate_up, kinds) and isinstance(w_down, kinds)
     if mode == "reference" or not quantized:
-        return routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down)
+        def whole(w):  # reference paths slice a layer out of its stack
+            return w.get() if isinstance(w, LayerSlice) else w
+        return routed_experts_reference(x, expert_ids, expert_weights, whole(w_gate_up), whole(w_down))
     if path == "auto":
         small = x.shape[0] * expert_ids.shape[1] <= MOE_GEMV_MAX_PAIRS
         path = "gemv" if small and not isinstance(config, MoEConfig) else "tiles"
+        if path == "gemv":  # shapes the GEMV path cannot tile (e.g. the small demo model) take the tiles path
+            try:
+                check_moe_gemv(x.shape, expert_ids.shape, w_gate_up, w_down, config or MoEGemvConfig())
+            except ValueError:
+                path = "tiles"
+        if path == "tiles":
+            try:
+                check_moe_shapes(x.shape, expert_ids.shape, w_gate_up, w_down)
+            except ValueError:  # neither kernel takes these shapes (e.g. 16-wide groups): the reference does
+                return routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, impl="reference")
     if path == "gemv":
         return routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up, w_down,
                                    config=config if isinstance(config, MoEGemvConfig) else None,

@@ -59,7 +59,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant_layout import QuantizedWeight, check_dense_operands, is_pow2, pow2_divisor
+from pallas_kernels.quant_layout import (LayerSlice, QuantizedWeight, check_dense_operands, is_pow2, kernel_operands,
+                                         pow2_divisor, weight_spec)
 
 try:  # the Triton compiler params and inline asm; absent or unused in interpret mode
     from jax.experimental.pallas import triton as pl_triton
@@ -351,21 +352,22 @@ def gemv_call_options(cfg, interpret: bool) -> dict:
                        "sync_loads": cfg.sync_loads and not interpret}}
 
 
-def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight, *, config: GemvConfig | None = None,
+def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: GemvConfig | None = None,
                       interpret: bool = False) -> jax.Array:
-    """y [M, N] = x @ dequant(w) with the CUDA-core GEMV kernel (M <= GEMV_MAX_M); ValueError otherwise."""
+    """y [M, N] = x @ dequant(w) with the CUDA-core GEMV kernel (M <= GEMV_MAX_M); ValueError otherwise.
+    A LayerSlice is read in place from its stacked arrays."""
     check_gemv_shape(x.shape, w)
     m, k = x.shape
     n, g = w.n, w.group_size
     n_groups = k // g
     cfg = config or default_gemv_config(m, k, n, w.bits, g)
     check_gemv_config(cfg, m, k, n, w.bits, g)
-    planes = list(w.planes)
+    planes, scales, layer = kernel_operands(w)
     split_out = cfg.splits > 1
     grid = (n // cfg.bn, cfg.splits)
     in_specs = [pl.BlockSpec((m, k), lambda j, s: (0, 0))]
-    in_specs += [pl.BlockSpec((p.shape[0], cfg.bn), lambda j, s: (0, j)) for p in planes]
-    in_specs += [pl.BlockSpec((n_groups, cfg.bn), lambda j, s: (0, j))]
+    in_specs += [weight_spec(pl, (p.shape[-2], cfg.bn), lambda j, s: (0, j), layer) for p in planes]
+    in_specs += [weight_spec(pl, (n_groups, cfg.bn), lambda j, s: (0, j), layer)]
     if split_out:
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, m, cfg.bn), lambda j, s: (s, 0, j))
@@ -380,7 +382,7 @@ def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight, *, config: GemvConfig | 
         kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         interpret=interpret, compiler_params=opts["params"],
         name=f"quant_gemv_w{w.bits}g{g}_m{m}_bn{cfg.bn}_s{cfg.splits}_r{cfg.rows}_u{cfg.unroll}_{cfg.fields}",
-    )(x, *planes, w.scales)
+    )(x, *planes, scales)
     if split_out:
         y = y.sum(axis=0).astype(x.dtype)
     return y

@@ -95,6 +95,51 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(QuantizedWeight)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Layer `layer` of a QuantizedWeight stacked over layers (planes and scales [L, ...]), left unsliced.
+
+    The model keeps same-shaped weights of all its layers in one array each (`flashnext_jax.layer_stack`): a jitted
+    call costs ~2.3 us of host time per argument array on the H200 (bench/results/dispatch_probe.json), ~4 ms per
+    engine step with 1659 per-layer arrays. Slicing a layer out inside the jitted step would be free for XLA's
+    fusions but a copy for a Pallas call, so the kernels take the stacked arrays and read only this layer's blocks
+    (their BlockSpecs index the leading axis with `layer`); reference paths slice (`get`)."""
+
+    stack: QuantizedWeight
+    layer: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    def get(self) -> QuantizedWeight:
+        """The layer's weight as its own arrays (a slice: XLA fuses it into reference / dequantize paths)."""
+        return self.stack[self.layer]
+
+    bits = property(lambda self: self.stack.bits)
+    group_size = property(lambda self: self.stack.group_size)
+    k = property(lambda self: self.stack.k)
+    n = property(lambda self: self.stack.n)
+    dtype = property(lambda self: self.stack.dtype)
+    shape = property(lambda self: self.stack.shape[1:])
+    lead_shape = property(lambda self: self.stack.lead_shape[1:])
+    ndim = property(lambda self: self.stack.ndim - 1)
+
+
+jax.tree_util.register_dataclass(LayerSlice)
+
+
+def kernel_operands(w: "QuantizedWeight | LayerSlice") -> tuple[list, Any, tuple[int, ...]]:
+    """(planes, scales, layer index prefix) for a kernel's pallas_call: a LayerSlice hands over the stacked arrays
+    and `(layer,)`, to be put in front of each weight BlockSpec's block index (with a None, squeezed, block dim)."""
+    if isinstance(w, LayerSlice):
+        return list(w.stack.planes), w.stack.scales, (w.layer,)
+    return list(w.planes), w.scales, ()
+
+
+def weight_spec(pl, block: tuple, index_map, prefix: tuple[int, ...]):
+    """BlockSpec of one weight operand; with a layer prefix, one more leading (squeezed) dim fixed at the layer."""
+    if not prefix:
+        return pl.BlockSpec(block, index_map)
+    return pl.BlockSpec((None,) * len(prefix) + tuple(block), lambda *ids: (*prefix, *index_map(*ids)))
+
+
 def _check_args(shape: tuple[int, ...], bits: int, group_size: int) -> tuple[int, int]:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
@@ -290,7 +335,7 @@ def is_pow2(v: int) -> bool:
 def check_dense_operands(x_shape, w, kernel: str) -> None:
     """The checks every dense kernel shares: x [M, K] against a 2-D QuantizedWeight [K, N] of a supported width
     (TypeError / ValueError naming `kernel` and the problem)."""
-    if not isinstance(w, QuantizedWeight):
+    if not isinstance(w, (QuantizedWeight, LayerSlice)):
         raise TypeError(f"the {kernel} needs a QuantizedWeight, got {type(w).__name__}")
     if len(x_shape) != 2:
         raise ValueError(f"x must be [M, K] (flatten leading dims first), got shape {tuple(x_shape)}")

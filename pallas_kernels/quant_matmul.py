@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
                                        default_gemv_config, quant_matmul_gemv)
-from pallas_kernels.quant_layout import (PLANE_FORMATS, QuantizedWeight, check_dense_operands, dequantize,
-                                         pow2_divisor, resolve_impl)
+from pallas_kernels.quant_layout import (PLANE_FORMATS, LayerSlice, QuantizedWeight, check_dense_operands, dequantize,
+                                         kernel_operands, pow2_divisor, resolve_impl, weight_spec)
 
 try:  # the Triton compiler params; absent or unused in interpret mode
     from jax.experimental.pallas import triton as pl_triton
@@ -278,8 +278,9 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
 
 # --------------------------------------------------------------------------------------------- entry points
 
-def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig | None = None,
+def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: DenseConfig | None = None,
                         interpret: bool = False) -> jax.Array:
+    """y [M, N] = x @ dequant(w) with the tensor-core kernel; a LayerSlice is read in place from its stack."""
     check_kernel_shape(x.shape, w)
     m, k = x.shape
     n = w.n
@@ -289,12 +290,12 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig
     if n % cfg.bn or n_groups % cfg.splits or (n_groups // cfg.splits) % cfg.groups_per_iter:
         raise ValueError(f"config {cfg} does not tile N={n}, groups={n_groups}")
     bm = cfg.bm
-    planes = list(w.planes)
+    planes, scales, layer = kernel_operands(w)
     split_out = cfg.splits > 1
     grid = (n // cfg.bn, cfg.splits, -(-m // bm))
     in_specs = [pl.BlockSpec((bm, k), lambda j, s, i: (i, 0))]
-    in_specs += [pl.BlockSpec((p.shape[0], cfg.bn), lambda j, s, i: (0, j)) for p in planes]
-    in_specs += [pl.BlockSpec((n_groups, cfg.bn), lambda j, s, i: (0, j))]
+    in_specs += [weight_spec(pl, (p.shape[-2], cfg.bn), lambda j, s, i: (0, j), layer) for p in planes]
+    in_specs += [weight_spec(pl, (n_groups, cfg.bn), lambda j, s, i: (0, j), layer)]
     if split_out:
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, bm, cfg.bn), lambda j, s, i: (s, i, j))
@@ -312,7 +313,7 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, config: DenseConfig
         kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         interpret=interpret, compiler_params=params,
         name=f"quant_matmul_w{w.bits}g{g}_bm{bm}_bn{cfg.bn}_s{cfg.splits}{'_wl' if cfg.weights_left else ''}",
-    )(x, *planes, w.scales)
+    )(x, *planes, scales)
     if split_out:
         y = y.sum(axis=0).astype(x.dtype)
     return y
@@ -332,6 +333,7 @@ def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Prefill path: dequantize to bf16 with XLA (the product q * scale rounded to bf16), then XLA's dot
     with fp32 accumulation. Measured on the H200 as the bench's `xla_dequant_us` column."""
     from pallas_kernels.quant_layout import dequantize_ints
+    w = w.get() if isinstance(w, LayerSlice) else w  # a slice of the stack: fused into the dequantize
     q = dequantize_ints(w).astype(jnp.bfloat16)
     s = jnp.repeat(jnp.asarray(w.scales).astype(jnp.bfloat16), w.group_size, axis=-2)
     return jnp.dot(x.astype(jnp.bfloat16), q * s, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -349,8 +351,8 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     mode = resolve_impl(impl)
-    if mode == "reference" or not isinstance(w, QuantizedWeight):
-        return quant_matmul_reference(x, w)
+    if mode == "reference" or not isinstance(w, (QuantizedWeight, LayerSlice)):
+        return quant_matmul_reference(x, w.get() if isinstance(w, LayerSlice) else w)
     if path == "gemv":
         return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):

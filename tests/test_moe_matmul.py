@@ -266,6 +266,21 @@ def test_auto_path_takes_gemv_for_few_pairs_and_tiles_above(monkeypatch):
         routed_experts(x, ids, wts, wgu, wd, impl="interpret", path="nope")
 
 
+def test_auto_path_falls_back_for_shapes_the_kernels_cannot_take(monkeypatch):
+    """int4 in groups of 16 (8 rows per plane slot): neither kernel takes it; auto runs the reference (as the
+    small demo model needs), an explicit path raises."""
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng, group=16)
+    x, wts = inputs(rng, 2, 2)
+    ids = jnp.asarray([[1, 4], [4, 7]], jnp.int32)
+    ref = np.asarray(routed_experts_reference(x, ids, wts, wgu, wd), np.float32)
+    got = np.asarray(routed_experts(x, ids, wts, wgu, wd, impl="interpret"), np.float32)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max(), err_msg=f"seed={seed}")
+    for path in ("gemv", "tiles"):
+        with pytest.raises(ValueError):
+            routed_experts(x, ids, wts, wgu, wd, impl="interpret", path=path)
+
+
 def test_gemv_clear_errors():
     rng, _ = fresh_rng()
     wgu, wd = experts(rng)
