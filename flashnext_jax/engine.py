@@ -40,6 +40,29 @@ class Batch:
     host: dict  # model-defined host-computed inputs from `host_prepare` (e.g. PLE n-gram rows [B, T, E])
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "host"], meta_fields=["num_tokens"])
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """A Batch as it crosses to the device: its integer arrays side by side in one int32 array
+    [B, 4 + T + MP] = (slot, gen, n_valid, start, tokens, page_table), so a step costs one host->device copy for
+    them, not six (each transfer and each jitted-call argument costs host time per step). `unpack` runs inside the
+    jitted step (slices: free)."""
+
+    ints: Any
+    host: dict
+    num_tokens: int
+
+    @staticmethod
+    def pack(slot, gen, tokens, n_valid, start, page_table, host) -> "PackedBatch":
+        ints = np.concatenate([np.stack([slot, gen, n_valid, start], axis=1), tokens, page_table], axis=1)
+        return PackedBatch(ints.astype(np.int32), host, tokens.shape[1])
+
+    def unpack(self) -> Batch:
+        a, t = self.ints, self.num_tokens
+        return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, 4: 4 + t], n_valid=a[:, 2], start=a[:, 3],
+                     page_table=a[:, 4 + t:], host=self.host)
+
+
 @dataclasses.dataclass(frozen=True)
 class HostRow:
     """What the host hook sees of one row: a suffix of the request's tokens before `start`, and the row tokens."""
@@ -73,8 +96,11 @@ _JIT: dict[int, tuple[Any, Callable]] = {}
 def with_device_argmax(step: Callable) -> Callable:
     """runner.step plus, for "logits" and "draft_logits", the argmax over the vocabulary ("<name>_argmax") and
     whether every logit is finite ("<name>_finite"), computed on the device: greedy rows commit from these few
-    bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real vocabulary)."""
+    bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real vocabulary).
+    A PackedBatch is unpacked here, inside the jitted step."""
     def run(params, store, batch):
+        if isinstance(batch, PackedBatch):
+            batch = batch.unpack()
         store, out = step(params, store, batch)
         out = dict(out)
         for name in ("logits", "draft_logits"):
@@ -101,7 +127,10 @@ class HostOutputs:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._host:
-            self._host[name] = np.asarray(self._out[name])
+            small = [n for n in self._out if n.endswith(("_argmax", "_finite"))]
+            # the few-byte greedy outputs come over together: one device_get instead of one sync copy each
+            names = small if name in small else [name]
+            self._host.update(zip(names, jax.device_get([self._out[n] for n in names])))
         return self._host[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -255,7 +284,7 @@ class Engine:
         T = _bucket(max(max(r.n for r in rows), self.K1, self.cfg.min_token_bucket))
         return StepTicket(self.step_id, tuple(rows), B, T)
 
-    def _build_batch(self, t: StepTicket) -> Batch:
+    def _build_batch(self, t: StepTicket) -> PackedBatch:
         B, T = t.batch_size, t.num_tokens
         ps = self.ledger.dims.page_size  # page-table width: a power-of-two bucket of the pages this step touches
         MP = min(self.max_pages_per_row, _bucket(max(-(-(r.start + r.n) // ps) for r in t.rows)))
@@ -275,9 +304,9 @@ class Engine:
             host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = self.runner.host_prepare(host_rows, T)
-        # one device_put for the whole batch: seven separate transfers cost ~1.2 ms per step on the H200 host
-        # (bench/results/engine_host_profile.json)
-        return Batch(*jax.device_put((slot, gen, tokens, n_valid, start, pt, host)))
+        # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on
+        # the H200 host (bench/results/engine_host_profile.json)
+        return jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
 
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""
