@@ -49,7 +49,9 @@ class RandomPleRunner(RealRunner):
         return {"ple_rows": (rng.standard_normal((len(rows), T, self.cfg.ple_embed_dim)) * 0.02).astype(np.float32)}
 
 
-def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16) -> dict:
+def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16,
+              sampling: dict | None = None) -> dict:
+    sampling = sampling or {"temperature": 0.0}
     lm = LLM(RandomPleRunner(model, 0), max_num_seqs=bsz, max_num_batched_tokens=bsz * prompt_len,
              max_model_len=prompt_len + new_tokens + 16, page_size=page_size)  # all prompts in one prefill step
     phases = {"build_batch": [], "dispatch": [], "device_wait": [], "commit": []}
@@ -72,7 +74,7 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
     eng._commit = timed("commit", eng._commit)
     rng = np.random.default_rng(bsz)
     reqs = [lm._add(rng.integers(0, model.cfg.vocab_size, prompt_len).tolist(),
-                    SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)) for _ in range(bsz)]
+                    SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=i, **sampling)) for i in range(bsz)]
     step_times, profile, phase_ms, t_start = [], {}, {}, time.perf_counter()
     while any(not r.finished for r in reqs):
         decoding = all(len(r.output) >= 2 for r in reqs)  # every row past its prompt and its first decode step
@@ -93,7 +95,8 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
                 phase_ms.setdefault(name, []).append(sum(v) * 1e3)
     total_s = time.perf_counter() - t_start
     ms = float(np.median(step_times)) * 1e3 if step_times else float("nan")
-    row = dict(batch=bsz, prompt=prompt_len, new_tokens=new_tokens, decode_steps_timed=len(step_times),
+    row = dict(batch=bsz, prompt=prompt_len, new_tokens=new_tokens, sampling=sampling,
+               decode_steps_timed=len(step_times),
                ms_per_step=ms, mean_ms_per_step=float(np.mean(step_times)) * 1e3 if step_times else float("nan"),
                tokens_per_s=bsz / ms * 1e3, total_s=total_s, engine_steps=lm.engine.counters["steps"],
                host_phase_median_ms={k: float(np.median(v)) for k, v in phase_ms.items()}, **profile)
@@ -108,6 +111,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sampling", action="append", default=None,
+                    help='SamplingParams fields, e.g. "temperature=0.7,top_p=0.9"; repeat for several runs (default '
+                         'greedy)')
     args = ap.parse_args()
     with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
         cfg = from_hf_config(json.load(f))
@@ -120,19 +126,24 @@ def main():
     print(f"built params in {time.perf_counter() - t0:.1f} s", flush=True)
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
     rows = []
-    for bsz in (int(b) for b in args.batch.split(",")):
+    samplings = [{k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+                 for spec in args.sampling or ["temperature=0.0"]]
+    for bsz, sampling in ((int(b), sp) for b in args.batch.split(",") for sp in samplings):
         try:
-            row = run_batch(model, bsz, 16 if SMOKE else args.prompt, 6 if SMOKE else args.tokens, args.page_size)
+            row = run_batch(model, bsz, 16 if SMOKE else args.prompt, 6 if SMOKE else args.tokens, args.page_size,
+                            sampling)
             row["weight_bytes_per_step"] = always + min(cfg.num_experts, cfg.num_experts_per_tok * bsz) * per_expert
         except Exception as e:  # noqa: BLE001
             row = dict(batch=bsz, error=repr(e)[:400])
         print(row, flush=True)
         rows.append(row)
     save_result("engine_step.json", rows, args.out, smoke=SMOKE, prompt=args.prompt, page_size=args.page_size)
-    print(f"\n{'B':>3} {'ms/step':>8} {'tok/s':>8} {'device ms':>9} {'steps timed':>11}")
+    print(f"\n{'B':>3} {'sampling':<28} {'ms/step':>8} {'tok/s':>8} {'device ms':>9} {'steps timed':>11}")
     for r in rows:
-        print(f"{r['batch']:3d} {r.get('ms_per_step', float('nan')):8.2f} {r.get('tokens_per_s', float('nan')):8.1f} "
-              f"{r.get('device_ms_per_step', float('nan')):9.2f} {r.get('decode_steps_timed', 0):11d}")
+        sp = ",".join(f"{k}={v}" for k, v in r.get("sampling", {}).items())
+        print(f"{r['batch']:3d} {sp:<28} {r.get('ms_per_step', float('nan')):8.2f} "
+              f"{r.get('tokens_per_s', float('nan')):8.1f} {r.get('device_ms_per_step', float('nan')):9.2f} "
+              f"{r.get('decode_steps_timed', 0):11d}")
 
 
 if __name__ == "__main__":
