@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import random
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -20,6 +21,8 @@ from . import sampling
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .tickets import RowTicket, StepTicket
+
+log = logging.getLogger("flashnext_jax.engine")
 
 
 # ------------------------------------------------------------------------------------------- the model protocol
@@ -110,12 +113,14 @@ def with_device_argmax(step: Callable) -> Callable:
     return run
 
 
-def jitted_step(runner: ModelRunner) -> Callable:
+def jitted_step(runner: ModelRunner) -> tuple[Callable, set]:
+    """The runner's jitted step (one per runner, shared by its engines) and the set of input shapes it has been
+    called with (a new shape compiles: about a minute at the real model size, so the engine logs it)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        hit = (runner, jax.jit(with_device_argmax(runner.step), donate_argnums=(1,)))
+        hit = (runner, jax.jit(with_device_argmax(runner.step), donate_argnums=(1,)), set())
         _JIT[id(runner)] = hit
-    return hit[1]
+    return hit[1], hit[2]
 
 
 class HostOutputs:
@@ -188,7 +193,7 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size), self.ledger)
-        self._step = jitted_step(runner)
+        self._step, self._shapes_seen = jitted_step(runner)
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
         self.requests: dict[str, Request] = {}
         self.step_id = 0
@@ -244,7 +249,16 @@ class Engine:
             if self.cfg.debug:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
+            shape = (ticket.batch_size, ticket.num_tokens, batch.ints.shape[1] - 4 - ticket.num_tokens)
+            new_shape = shape not in self._shapes_seen
+            if new_shape:
+                log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages (once per "
+                         "shape; about a minute at the real model size)", *shape)
+                t0 = time.perf_counter()
             store, out = self._step(self.runner.params, self.ledger.store, batch)
+            if new_shape:
+                self._shapes_seen.add(shape)
+                log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
             self.ledger.store = store
             self.pending.append((ticket, out))
             self.counters["steps"] += 1

@@ -193,6 +193,22 @@ def test_greedy_rows_never_copy_logits_to_the_host(monkeypatch):
     assert "logits" in fetched
 
 
+def test_each_new_step_shape_is_logged_once_as_a_compile(caplog):
+    """A new (rows, tokens, page-table width) shape compiles the step (about a minute at the real size): the engine
+    says so once per shape, also across engines over the same runner."""
+    runner = ToyRunner(CFG)
+    caplog.set_level("INFO", logger="flashnext_jax.engine")
+    for _ in range(2):
+        eng = Engine(runner, EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN))
+        eng.add_request("a", PROMPTS[0], GREEDY)
+        while eng.has_unfinished():
+            eng.step()
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling the engine step")]
+    shapes = {m.split(" (once")[0] for m in compiles}
+    assert compiles and len(shapes) == len(compiles), compiles  # prefill shape and decode shape(s), each once
+    assert "x 16 tokens" in compiles[0] and len(compiles) >= 2  # the prefill, then decode steps
+
+
 def test_chunked_prefill_equals_one_shot():
     one, _ = _generate(PROMPTS, GREEDY, max_num_batched_tokens=64)
     chunked, _ = _generate(PROMPTS, GREEDY, max_num_batched_tokens=3)

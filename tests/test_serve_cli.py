@@ -52,3 +52,21 @@ def test_serve_demo_model_answers_like_the_offline_api():
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def test_compilation_cache_option(tmp_path, monkeypatch):
+    """--compilation-cache: a directory (created), else $JAX_COMPILATION_CACHE_DIR, or 'off'."""
+    import jax
+
+    from serving.cli import configure_compilation_cache
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    try:
+        assert configure_compilation_cache(str(tmp_path / "c")) == str(tmp_path / "c") and (tmp_path / "c").is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+        assert configure_compilation_cache(None) == str(tmp_path / "env")
+        assert configure_compilation_cache("off") is None and not jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
