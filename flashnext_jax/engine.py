@@ -93,7 +93,7 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple[Any, Callable]] = {}
+_JIT: dict[int, tuple[Any, Callable, set]] = {}  # id(runner) -> (runner, jitted step, shapes compiled)
 
 
 def with_device_argmax(step: Callable) -> Callable:
