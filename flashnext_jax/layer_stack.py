@@ -50,6 +50,7 @@ def _stack(xs: list, free_sources: bool):
         return np.stack(xs)
     out = jnp.stack(xs)
     if free_sources:  # the loader's own arrays: peak memory is the model plus one stacked leaf, not twice the model
+        out.block_until_ready()  # the stack is dispatched asynchronously: its sources are deleted only once read
         for x in xs:
             x.delete()
     return out
