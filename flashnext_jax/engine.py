@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import sampling
+from .device_sampling import SamplingInputs, device_sampled, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .tickets import RowTicket, StepTicket
@@ -96,12 +97,13 @@ class ModelRunner(Protocol):
 _JIT: dict[int, tuple[Any, Callable, set]] = {}  # id(runner) -> (runner, jitted step, shapes compiled)
 
 
-def with_device_argmax(step: Callable) -> Callable:
-    """runner.step plus, for "logits" and "draft_logits", the argmax over the vocabulary ("<name>_argmax") and
-    whether every logit is finite ("<name>_finite"), computed on the device: greedy rows commit from these few
-    bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real vocabulary).
-    A PackedBatch is unpacked here, inside the jitted step."""
-    def run(params, store, batch):
+def with_device_sampling(step: Callable) -> Callable:
+    """runner.step(params, store, batch) plus, computed on the device: for "logits" and "draft_logits" the argmax
+    over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"), and the tokens of
+    the rows that sample on the device ("logits_sample", device_sampling.py). Greedy rows and device-sampled rows
+    commit from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the
+    real vocabulary). A PackedBatch is unpacked here, inside the jitted step."""
+    def run(params, store, batch, sampling_inputs):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         store, out = step(params, store, batch)
@@ -109,6 +111,7 @@ def with_device_argmax(step: Callable) -> Callable:
         for name in ("logits", "draft_logits"):
             out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
             out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
+        out["logits_sample"] = sample_tokens(out["logits"], sampling_inputs)
         return store, out
     return run
 
@@ -118,7 +121,7 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set]:
     called with (a new shape compiles: about a minute at the real model size, so the engine logs it)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        hit = (runner, jax.jit(with_device_argmax(runner.step), donate_argnums=(1,)), set())
+        hit = (runner, jax.jit(with_device_sampling(runner.step), donate_argnums=(1,)), set())
         _JIT[id(runner)] = hit
     return hit[1], hit[2]
 
@@ -249,13 +252,16 @@ class Engine:
             if self.cfg.debug:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
-            shape = (ticket.batch_size, ticket.num_tokens, batch.ints.shape[1] - 4 - ticket.num_tokens)
+            sampling_inputs = self._sampling_inputs(ticket)
+            shape = (ticket.batch_size, ticket.num_tokens, batch.ints.shape[1] - 4 - ticket.num_tokens,
+                     sampling_inputs is not None)
             new_shape = shape not in self._shapes_seen
             if new_shape:
-                log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages (once per "
-                         "shape; about a minute at the real model size)", *shape)
+                log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "
+                         "shape; about a minute at the real model size)", *shape[:3],
+                         ", sampling on the device" if shape[3] else "")
                 t0 = time.perf_counter()
-            store, out = self._step(self.runner.params, self.ledger.store, batch)
+            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs)
             if new_shape:
                 self._shapes_seen.add(shape)
                 log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
@@ -322,6 +328,17 @@ class Engine:
         # the H200 host (bench/results/engine_host_profile.json)
         return jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
 
+    def _sampling_inputs(self, t: StepTicket) -> SamplingInputs:
+        """Rows whose token this step samples on the device, with the index of that output token (fixed until the
+        ticket commits: at most one step per request is in flight)."""
+        rows: list = [None] * t.batch_size
+        k = self.cfg.num_speculative_tokens
+        for r in t.rows:
+            req = self.requests[r.request_id]
+            if r.samples and device_sampled(req.params, k):
+                rows[r.row] = (req.params, len(req.output))
+        return jax.device_put(SamplingInputs.for_rows(rows, t.batch_size))
+
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""
         seen_slots, seen_pages = set(), set()
@@ -363,6 +380,11 @@ class Engine:
         new_tokens: list[int] = []
         on_device = req.params.device_argmax  # greedy without penalties: the device's argmax is the token
         if not r.samples:
+            accepted_inputs = r.n
+        elif device_sampled(req.params, self.cfg.num_speculative_tokens):  # k = 0: no drafts to verify
+            last = r.n - 1 - r.base
+            sampling.check_finite_flags(host["logits_finite"][r.row, last], req.request_id)
+            new_tokens = [int(host["logits_sample"][r.row, last])]
             accepted_inputs = r.n
         else:
             nd = r.num_drafts

@@ -153,7 +153,7 @@ def probs_from_logits(x: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def check_finite_flags(finite, rid: str):
-    """Raises unless every flag is True (np.isfinite of a row's logits, or the device's all-finite flags)."""
+    """Raises unless every flag is True (the device's all-finite flags of a row's logits, or np.isfinite)."""
     if not np.all(finite):
         raise FloatingPointError(f"non-finite logits for request {rid!r}: its state is corrupt (poisoned slot?)")
 

@@ -48,8 +48,9 @@ class Harness(EngineHarness):
     def add(self, prompt, max_tokens, ignore_eos, stop_id, seed=None):
         stop = [stop_id] if stop_id is not None else None
         if seed is not None:  # seeded sampling: the oracle is the request's solo engine run (checked at drain)
+            # odd seeds without penalties: with k = 0 they sample on the device (device_sampling.py)
             params = SamplingParams(temperature=0.8, top_k=20, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                    stop_token_ids=stop, seed=seed, repetition_penalty=1.1)
+                                    stop_token_ids=stop, seed=seed, repetition_penalty=1.0 if seed % 2 else 1.1)
         else:
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                     stop_token_ids=stop)
@@ -178,7 +179,7 @@ def test_greedy_mtp_equals_no_mtp_and_solo():
 
 
 def test_greedy_rows_never_copy_logits_to_the_host(monkeypatch):
-    """Greedy rows without penalties commit from the device's argmax (engine.with_device_argmax); rows that sample
+    """Greedy rows without penalties commit from the device's argmax (engine.with_device_sampling); rows that sample
     or apply penalties still read the full logits."""
     from flashnext_jax import engine as engine_module
 
@@ -231,11 +232,12 @@ def test_pipeline_delay_and_row_order_do_not_change_output():
         assert out == base
 
 
-def test_seeded_sampling_is_independent_of_batch_composition():
+@pytest.mark.parametrize("k", [0, 1])  # k = 0: sampled on the device (device_sampling.py); k = 1: on the host
+def test_seeded_sampling_is_independent_of_batch_composition(k):
     p = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
-    alone, _ = _generate([PROMPTS[0]], [p], num_speculative_tokens=1)
+    alone, _ = _generate([PROMPTS[0]], [p], num_speculative_tokens=k)
     other = SamplingParams(temperature=1.0, max_tokens=7, seed=7, ignore_eos=True)
-    mixed, _ = _generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [other, p, other], num_speculative_tokens=1,
+    mixed, _ = _generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [other, p, other], num_speculative_tokens=k,
                          pipeline_delay=2, permute_rows=5, max_num_batched_tokens=4)
     assert mixed[1] == alone[0]
 

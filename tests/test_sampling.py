@@ -135,32 +135,36 @@ def test_nucleus_equals_the_full_sort(vocab, shape):
 
 def test_device_argmax_commit_equals_host_verify_and_propose():
     """Greedy rows without penalties commit from the step's device argmax and finite flags
-    (engine.with_device_argmax): the same tokens as verify / propose on the full logits, ties included."""
+    (engine.with_device_sampling): the same tokens as verify / propose on the full logits, ties included."""
     import jax.numpy as jnp
 
-    from flashnext_jax.engine import with_device_argmax
+    from flashnext_jax.device_sampling import SamplingInputs
+    from flashnext_jax.engine import with_device_sampling
 
     rng = np.random.default_rng(7)
     g = SamplingParams(temperature=0.0)
     assert g.device_argmax and not SamplingParams(temperature=0.0, repetition_penalty=1.1).device_argmax
     assert not SamplingParams(temperature=0.7).device_argmax
+    none = SamplingInputs.for_rows([None] * 3, 3)
+
+    def step_outputs(logits, dlogits):
+        fake_step = lambda p, s, b: (s, {"logits": jnp.asarray(logits), "draft_logits": jnp.asarray(dlogits)})  # noqa: E731
+        return {k: np.asarray(v) for k, v in with_device_sampling(fake_step)(None, None, None, none)[1].items()}
+
     for trial in range(40):
-        logits = rng.integers(0, 4, size=(3, 1, 4, 9)).astype(np.float32)  # small integers: many ties
-        dlogits = rng.integers(0, 4, size=(3, 1, 4, 2, 9)).astype(np.float32)
-        _, out = with_device_argmax(lambda p, s, b: (s, {"logits": jnp.asarray(logits),
-                                                         "draft_logits": jnp.asarray(dlogits)}))(None, None, None)
-        am, fin = np.asarray(out["logits_argmax"]), np.asarray(out["logits_finite"])
+        logits = rng.integers(0, 4, size=(3, 4, 9)).astype(np.float32)  # [B, K1, V], small integers: many ties
+        dlogits = rng.integers(0, 4, size=(3, 4, 2, 9)).astype(np.float32)
+        out = step_outputs(logits, dlogits)
         for row in range(3):
-            drafts = [int(np.argmax(logits[row, 0, i])) if trial % 2 else int(rng.integers(9)) for i in range(3)]
-            assert verify_argmax(am[row, 0], fin[row, 0], drafts, "r") == verify(logits[row, 0], drafts, [None] * 3,
-                                                                                  g, [1], 0, "r")
-            assert propose_argmax(np.asarray(out["draft_logits_argmax"])[row, 0, 1],
-                                  np.asarray(out["draft_logits_finite"])[row, 0, 1], "r") == propose(
-                dlogits[row, 0, 1], g, 0, "r")
-    bad = np.array([[0.0, np.nan, 1.0]], np.float32)
-    _, out = with_device_argmax(lambda p, s, b: (s, {"logits": jnp.asarray(bad), "draft_logits": jnp.asarray(bad)}))(
-        None, None, None)
+            drafts = [int(np.argmax(logits[row, i])) if trial % 2 else int(rng.integers(9)) for i in range(3)]
+            assert verify_argmax(out["logits_argmax"][row], out["logits_finite"][row], drafts, "r") == verify(
+                logits[row], drafts, [None] * 3, g, [1], 0, "r")
+            assert propose_argmax(out["draft_logits_argmax"][row, 1], out["draft_logits_finite"][row, 1], "r") == \
+                propose(dlogits[row, 1], g, 0, "r")
+    bad = np.full((3, 1, 3), 1.0, np.float32)
+    bad[0, 0, 1] = np.nan
+    out = step_outputs(bad, bad[:, :, None])
     with pytest.raises(FloatingPointError):
-        verify_argmax(np.asarray(out["logits_argmax"]), np.asarray(out["logits_finite"]), [], "r")
+        verify_argmax(out["logits_argmax"][0], out["logits_finite"][0], [], "r")
     with pytest.raises(FloatingPointError):
-        propose_argmax(np.asarray(out["draft_logits_argmax"]), np.asarray(out["draft_logits_finite"]), "r")
+        propose_argmax(out["draft_logits_argmax"][0, 0], out["draft_logits_finite"][0, 0], "r")

@@ -1,0 +1,99 @@
+"""Device-side sampling (flashnext_jax/device_sampling.py) against the host reference (sampling.probs_from_logits),
+its distribution, its independence of the batch, and the engine's use of it."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashnext_jax.device_sampling import SamplingInputs, device_sampled, masked_probs, sample_tokens
+from flashnext_jax.engine import Engine, EngineConfig
+from flashnext_jax.sampling import SamplingParams, probs_from_logits
+from flashnext_jax.toy_model import ToyConfig, ToyRunner
+
+PARAMS = [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.3, top_k=5), dict(temperature=0.9, top_p=0.8),
+          dict(temperature=1.0, min_p=0.05), dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.01),
+          dict(temperature=1.0, top_p=0.3), dict(temperature=2.0, top_k=1),
+          dict(temperature=4.0, top_p=0.99), dict(temperature=1.0, top_k=280)]  # past TOP_CAP = 256 of 300: the sort
+
+
+@pytest.mark.parametrize("kw", PARAMS)
+def test_masked_probs_equal_the_host_distribution(kw):
+    rng = np.random.default_rng(len(str(kw)))
+    logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
+    p = SamplingParams(**kw)
+    one = lambda v: jnp.full((4,), v)  # noqa: E731
+    got = np.asarray(masked_probs(jnp.asarray(logits), one(p.temperature), one(max(p.top_k, 0)), one(p.top_p),
+                                  one(p.min_p)))
+    if kw.get("top_p", 1) == 0.99:  # this case must take the full-sort fallback
+        ref0 = probs_from_logits(logits[0].astype(np.float64), p)
+        assert np.count_nonzero(ref0) > 256
+    for row in range(4):
+        ref = probs_from_logits(logits[row].astype(np.float64), p)
+        assert np.array_equal(got[row] > 0, ref > 0), kw  # the same support (top-k / top-p / min-p sets)
+        np.testing.assert_allclose(got[row], ref, rtol=2e-5, atol=1e-7)
+
+
+def test_tied_logits_follow_the_host_tie_rules():
+    logits = np.array([[2.0, 1.0, 2.0, 1.0, 1.0, 0.0]], np.float32)
+    for kw in (dict(top_k=2), dict(top_k=3), dict(top_p=0.5), dict(top_p=0.75)):
+        p = SamplingParams(temperature=1.0, **kw)
+        one = lambda v: jnp.full((1,), v)  # noqa: E731
+        got = np.asarray(masked_probs(jnp.asarray(logits), one(1.0), one(p.top_k), one(p.top_p), one(p.min_p)))[0]
+        assert np.array_equal(got > 0, probs_from_logits(logits[0].astype(np.float64), p) > 0), kw
+
+
+def test_samples_follow_the_distribution_and_ignore_the_batch():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(6) * 1.5).astype(np.float32)
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    n = 6000
+    inputs = SamplingInputs.for_rows([(p, j) for j in range(n)], n)  # output indices 0..n-1 of one request
+    tokens = np.asarray(sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (n, 1, 6)), inputs))[:, 0]
+    expect = probs_from_logits(logits.astype(np.float64), p)
+    counts = np.bincount(tokens, minlength=6)
+    assert counts[expect == 0].sum() == 0
+    keep = expect > 0
+    chi2 = (((counts[keep] - n * expect[keep]) ** 2) / (n * expect[keep])).sum()
+    assert chi2 < 25.0, (counts, expect * n)  # 5 dof at most: p(chi2 > 25) < 2e-4
+    # token j of the request is the same in any row, next to any other rows
+    other = SamplingParams(temperature=1.0, seed=5)
+    rows = [(other, 3), None, (p, 17), (other, 0)]
+    batched = np.asarray(sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (4, 1, 6)),
+                                       SamplingInputs.for_rows(rows, 4)))[2, 0]
+    assert batched == tokens[17]
+
+
+def test_which_rows_sample_on_the_device():
+    assert device_sampled(SamplingParams(temperature=0.7, top_p=0.9), 0)
+    assert not device_sampled(SamplingParams(temperature=0.7), 1)  # MTP rejection sampling stays on the host
+    assert not device_sampled(SamplingParams(temperature=0.7, presence_penalty=0.5), 0)
+    assert not device_sampled(SamplingParams(temperature=0.0), 0)  # greedy: the device argmax
+
+
+def test_engine_samples_on_the_device_batch_invariant(monkeypatch):
+    """Seeded sampled requests (k = 0, no penalties) give the same tokens batched as solo, never copy logits to the
+    host, and the same seed gives the same tokens twice."""
+    from flashnext_jax import engine as engine_module
+
+    cfg = ToyConfig(vocab_size=64, max_model_len=32)
+    runner = ToyRunner(cfg, 1)
+    fetched = set()
+    real = engine_module.HostOutputs.__getitem__
+    monkeypatch.setattr(engine_module.HostOutputs, "__getitem__", lambda self, name: fetched.add(name) or real(self, name))
+
+    def run(prompts, seeds):
+        eng = Engine(runner, EngineConfig(max_model_len=32, min_batch_bucket=4, min_token_bucket=4,
+                                          min_pool_capacity=(4, 64, 4)))
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            eng.add_request(str(i), prompt, SamplingParams(temperature=1.0, top_k=20, max_tokens=10, ignore_eos=True,
+                                                           seed=seed))
+        while eng.has_unfinished():
+            eng.step()
+        return [eng.requests[str(i)].output for i in range(len(prompts))]
+
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [1, 4, 1, 4, 2, 1, 3, 5, 6]]
+    batched = run(prompts, [1, 2, 3])
+    assert batched == [run([p], [s])[0] for p, s in zip(prompts, [1, 2, 3])]
+    assert batched == run(prompts, [1, 2, 3])
+    assert len({tuple(o) for o in batched + run(prompts, [4, 5, 6])}) == 6  # different seeds, different tokens
+    assert "logits" not in fetched and "logits_sample" in fetched
