@@ -123,13 +123,10 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Arr
 
 def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """logits [B, K1, V] -> one token per row and column [B, K1] int32, every column of a row drawn with the row's
-    one uniform (the engine reads the column of the row's last token). A batch without device-sampled rows skips
-    the work (its sorts of the vocabulary) and returns zeros."""
-    return jax.lax.cond(jnp.any(inputs.sampled), _sample_tokens, lambda lg, inp: jnp.zeros(lg.shape[:2], jnp.int32),
-                        logits, inputs)
-
-
-def _sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    one uniform (the engine reads the column of the row's last token). The engine traces this only into steps where
+    some row samples on the device (engine.with_device_sampling), not behind a lax.cond: with one, the H200 engine
+    step at B=1 did not return from the jitted call until the step had run (dispatch 7.5 ms, device time 6.0;
+    bench/results/engine_step_sampling.json), as if XLA read the predicate back on the host mid-step."""
     b, k1, v = logits.shape
     bcast = lambda a: jnp.broadcast_to(a[:, None], (b, k1))  # noqa: E731
     p = masked_probs(logits, bcast(inputs.temperature), bcast(inputs.top_k), bcast(inputs.top_p),

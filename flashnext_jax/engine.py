@@ -102,8 +102,9 @@ def with_device_sampling(step: Callable) -> Callable:
     over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"), and the tokens of
     the rows that sample on the device ("logits_sample", device_sampling.py). Greedy rows and device-sampled rows
     commit from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the
-    real vocabulary). A PackedBatch is unpacked here, inside the jitted step."""
-    def run(params, store, batch, sampling_inputs):
+    real vocabulary). A PackedBatch is unpacked here, inside the jitted step. sampling_inputs None (no row samples
+    on the device): the step has no sampling code at all (jit traces None and SamplingInputs separately)."""
+    def run(params, store, batch, sampling_inputs=None):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         store, out = step(params, store, batch)
@@ -111,7 +112,8 @@ def with_device_sampling(step: Callable) -> Callable:
         for name in ("logits", "draft_logits"):
             out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
             out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
-        out["logits_sample"] = sample_tokens(out["logits"], sampling_inputs)
+        if sampling_inputs is not None:
+            out["logits_sample"] = sample_tokens(out["logits"], sampling_inputs)
         return store, out
     return run
 
@@ -328,15 +330,17 @@ class Engine:
         # the H200 host (bench/results/engine_host_profile.json)
         return jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
 
-    def _sampling_inputs(self, t: StepTicket) -> SamplingInputs:
+    def _sampling_inputs(self, t: StepTicket) -> SamplingInputs | None:
         """Rows whose token this step samples on the device, with the index of that output token (fixed until the
-        ticket commits: at most one step per request is in flight)."""
+        ticket commits: at most one step per request is in flight); None when no row does."""
         rows: list = [None] * t.batch_size
         k = self.cfg.num_speculative_tokens
         for r in t.rows:
             req = self.requests[r.request_id]
             if r.samples and device_sampled(req.params, k):
                 rows[r.row] = (req.params, len(req.output))
+        if not any(rows):
+            return None
         return jax.device_put(SamplingInputs.for_rows(rows, t.batch_size))
 
     def _check_writes(self, t: StepTicket):
