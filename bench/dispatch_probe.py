@@ -68,9 +68,9 @@ def part_b(model, prompt_len=1):
     captured = {}
     step = eng._step
 
-    def spy(params, store, batch):
+    def spy(params, store, batch, *rest):
         captured["np"] = jax.tree.map(np.asarray, batch)
-        return step(params, store, batch)
+        return step(params, store, batch, *rest)
 
     eng._step = spy
     lm._add(list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -37,13 +37,12 @@ def device_sampled(params: SamplingParams, num_speculative_tokens: int) -> bool:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["sampled", "temperature", "top_k", "top_p", "min_p", "key_data"], meta_fields=[])
+                   data_fields=["temperature", "top_k", "top_p", "min_p", "key_data"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplingInputs:
     """Per batch row: the sampling parameters and the key of the row's next output token (padding and rows that do
-    not sample on the device: sampled False, temperature 1, no masks, key 0; their samples are never read)."""
+    not sample on the device: temperature 1, no masks, key 0; their samples are never read)."""
 
-    sampled: jax.Array  # [B] bool: the row samples on the device this step
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
@@ -53,7 +52,6 @@ class SamplingInputs:
     @staticmethod
     def for_rows(rows: list[tuple[SamplingParams, int] | None], batch_size: int) -> "SamplingInputs":
         """rows[b] = (params, index of the output token row b samples) or None; numpy arrays (device_put later)."""
-        sampled = np.zeros(batch_size, bool)
         temperature = np.ones(batch_size, np.float32)
         top_k = np.zeros(batch_size, np.int32)
         top_p = np.ones(batch_size, np.float32)
@@ -63,10 +61,9 @@ class SamplingInputs:
             if row is None:
                 continue
             p, index = row
-            sampled[b] = True
             temperature[b], top_k[b], top_p[b], min_p[b] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
             key_data[b] = np.random.SeedSequence([p.seed or 0, index, _PURPOSE]).generate_state(2, np.uint32)
-        return SamplingInputs(sampled, temperature, top_k, top_p, min_p, key_data)
+        return SamplingInputs(temperature, top_k, top_p, min_p, key_data)
 
 
 TOP_CAP = 256  # top-k / top-p first look among the largest TOP_CAP entries (lax.top_k), else sort the row

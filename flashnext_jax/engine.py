@@ -61,6 +61,10 @@ class PackedBatch:
         ints = np.concatenate([np.stack([slot, gen, n_valid, start], axis=1), tokens, page_table], axis=1)
         return PackedBatch(ints.astype(np.int32), host, tokens.shape[1])
 
+    @property
+    def page_table_width(self) -> int:
+        return self.ints.shape[1] - 4 - self.num_tokens
+
     def unpack(self) -> Batch:
         a, t = self.ints, self.num_tokens
         return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, 4: 4 + t], n_valid=a[:, 2], start=a[:, 3],
@@ -255,8 +259,7 @@ class Engine:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             sampling_inputs = self._sampling_inputs(ticket)
-            shape = (ticket.batch_size, ticket.num_tokens, batch.ints.shape[1] - 4 - ticket.num_tokens,
-                     sampling_inputs is not None)
+            shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width, sampling_inputs is not None)
             new_shape = shape not in self._shapes_seen
             if new_shape:
                 log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "

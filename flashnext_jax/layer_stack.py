@@ -102,8 +102,8 @@ def stack_layers(layers: list, *, free_sources: bool = False) -> LayerStack:
     groups = []
     for idx in members:
         trees = [layers[i] for i in idx]
-        leaves = [jax.tree.flatten(t, is_leaf=_is_quantized)[0] for t in trees]
-        treedef = jax.tree.structure(trees[0], is_leaf=_is_quantized)
+        flat = [jax.tree.flatten(t, is_leaf=_is_quantized) for t in trees]
+        leaves, treedef = [lv for lv, _ in flat], flat[0][1]
         stacked = [_stack([lv[n] for lv in leaves], free_sources) for n in range(len(leaves[0]))]
         groups.append(jax.tree.unflatten(treedef, stacked))
     return LayerStack(tuple(groups), tuple(where))

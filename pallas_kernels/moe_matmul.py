@@ -57,7 +57,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_call_options, gemv_layout
-from pallas_kernels.quant_layout import LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl
+from pallas_kernels.quant_layout import (LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl,
+                                         unstacked)
 from pallas_kernels.quant_matmul import _plane_slots, group_dot, pl_triton
 
 
@@ -540,9 +541,7 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: st
     kinds = (QuantizedWeight, LayerSlice)
     quantized = isinstance(w_gate_up, kinds) and isinstance(w_down, kinds)
     if mode == "reference" or not quantized:
-        def whole(w):  # reference paths slice a layer out of its stack
-            return w.get() if isinstance(w, LayerSlice) else w
-        return routed_experts_reference(x, expert_ids, expert_weights, whole(w_gate_up), whole(w_down))
+        return routed_experts_reference(x, expert_ids, expert_weights, unstacked(w_gate_up), unstacked(w_down))
     if path == "auto":
         small = x.shape[0] * expert_ids.shape[1] <= MOE_GEMV_MAX_PAIRS
         path = "gemv" if small and not isinstance(config, MoEConfig) else "tiles"

@@ -125,6 +125,11 @@ class LayerSlice:
 jax.tree_util.register_dataclass(LayerSlice)
 
 
+def unstacked(w):
+    """A LayerSlice as its layer's own QuantizedWeight (reference and XLA paths); anything else unchanged."""
+    return w.get() if isinstance(w, LayerSlice) else w
+
+
 def kernel_operands(w: "QuantizedWeight | LayerSlice") -> tuple[list, Any, tuple[int, ...]]:
     """(planes, scales, layer index prefix) for a kernel's pallas_call: a LayerSlice hands over the stacked arrays
     and `(layer,)`, to be put in front of each weight BlockSpec's block index (with a None, squeezed, block dim)."""

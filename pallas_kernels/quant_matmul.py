@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
                                        default_gemv_config, quant_matmul_gemv)
 from pallas_kernels.quant_layout import (PLANE_FORMATS, LayerSlice, QuantizedWeight, check_dense_operands, dequantize,
-                                         kernel_operands, pow2_divisor, resolve_impl, weight_spec)
+                                         kernel_operands, pow2_divisor, resolve_impl, unstacked,
+                                         weight_spec)
 
 try:  # the Triton compiler params; absent or unused in interpret mode
     from jax.experimental.pallas import triton as pl_triton
@@ -333,7 +334,7 @@ def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Prefill path: dequantize to bf16 with XLA (the product q * scale rounded to bf16), then XLA's dot
     with fp32 accumulation. Measured on the H200 as the bench's `xla_dequant_us` column."""
     from pallas_kernels.quant_layout import dequantize_ints
-    w = w.get() if isinstance(w, LayerSlice) else w  # a slice of the stack: fused into the dequantize
+    w = unstacked(w)  # a slice of the stack: fused into the dequantize
     q = dequantize_ints(w).astype(jnp.bfloat16)
     s = jnp.repeat(jnp.asarray(w.scales).astype(jnp.bfloat16), w.group_size, axis=-2)
     return jnp.dot(x.astype(jnp.bfloat16), q * s, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -352,7 +353,7 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     mode = resolve_impl(impl)
     if mode == "reference" or not isinstance(w, (QuantizedWeight, LayerSlice)):
-        return quant_matmul_reference(x, w.get() if isinstance(w, LayerSlice) else w)
+        return quant_matmul_reference(x, unstacked(w))
     if path == "gemv":
         return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):
