@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -96,7 +97,7 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
     total_s = time.perf_counter() - t_start
     ms = float(np.median(step_times)) * 1e3 if step_times else float("nan")
     row = dict(batch=bsz, prompt=prompt_len, new_tokens=new_tokens, sampling=sampling,
-               decode_steps_timed=len(step_times),
+               decode_steps_timed=len(step_times), compiles_ahead=eng.counters["compiles_ahead"],
                ms_per_step=ms, mean_ms_per_step=float(np.mean(step_times)) * 1e3 if step_times else float("nan"),
                tokens_per_s=bsz / ms * 1e3, total_s=total_s, engine_steps=lm.engine.counters["steps"],
                host_phase_median_ms={k: float(np.median(v)) for k, v in phase_ms.items()}, **profile)
@@ -115,6 +116,8 @@ def main():
                     help='SamplingParams fields, e.g. "temperature=0.7,top_p=0.9"; repeat for several runs (default '
                          'greedy)')
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
+    logging.getLogger("flashnext_jax").setLevel(logging.INFO)  # the engine's compiles (ahead or not)
     with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
         cfg = from_hf_config(json.load(f))
     cfg = dataclasses.replace(cfg, num_experts=min(args.experts, cfg.num_experts))

@@ -6,7 +6,11 @@ included; host launch gaps excluded), "us_wall" the wall time per call of the sa
 program runs R calls on R distinct weight copies (> 200 MB in rotation, beyond the 60 MB L2) and distinct
 random activations, so XLA cannot merge calls and every call streams its weights from HBM; per-call time
 = median over reps of (program time / R). Bytes are the packed weights at their source bit width plus
-the scales (int6 = 0.75 B/weight). Prints a table last and writes JSON (every row + "summary").
+the scales (int6 = 0.75 B/weight). "read_floor_us" is the device time of an XLA kernel that only reads the
+same number of bytes in one contiguous buffer (`read_floor`; MoE: two dependent passes, gate/up then down):
+what the matrix's size alone allows, since a 3-25 MB pass pays launch, ramp-up and tail that a 2 GiB copy
+amortizes.
+Prints a table last and writes JSON (every row + "summary").
 """
 
 from __future__ import annotations
@@ -126,6 +130,20 @@ def random_qweight(key, lead, k, n, bits, group, scale_dtype=jnp.bfloat16) -> Qu
     return QuantizedWeight(planes=tuple(planes), scales=scales, bits=bits, group_size=group, k=k, n=n)
 
 
+def read_floor(pass_bytes, rotate: int) -> float:
+    """Device seconds for XLA to read `pass_bytes` bytes in len(pass_bytes) dependent kernels, each reading ONE
+    contiguous buffer of that size (32-bit words in rows of 1 KiB, summed along the rows: vector loads, every SM
+    busy, a 1/256-sized output), `rotate` distinct buffers each so that no call finds them in L2. It is what
+    the size of a matmul's weights alone costs a single pass over them (launch, ramp-up and tail included), the
+    practical floor of any kernel that reads them once."""
+    bufs = [[jax.random.bits(jax.random.key(7 * j + i), (max(1, int(n) // 1024), 256), jnp.uint32)
+             for i, n in enumerate(pass_bytes)] for j in range(rotate)]
+    f = jax.jit(lambda bufs: [[jnp.sum(b, axis=1, dtype=jnp.uint32) for b in per] for per in bufs])
+    t = measure(f, bufs, n_calls=rotate)[0]
+    del bufs
+    return t
+
+
 def bf16_equiv(w: QuantizedWeight):
     from pallas_kernels.quant_layout import dequantize
     return dequantize(w).astype(jnp.bfloat16)
@@ -153,9 +171,11 @@ def bench_dense(name, k, n, bits, group, m, copy_bw, cfg=None, baselines=True, m
         cfg = cfg or default_config(m, k, n, bits, group)
         f = jax.jit(lambda xs, ws: [quant_matmul_pallas(xs[i], ws[i], config=cfg) for i in range(r)])
     t, t_wall, top = measure(f, xs, ws, n_calls=r)
+    t_read = read_floor([wbytes], r)
     row = dict(kind="dense", name=name, K=k, N=n, bits=bits, group=group, M=m, rotate=r, kernel_path=path,
                us=t * 1e6, us_wall=t_wall * 1e6, kernels_us=top, source_bytes=wbytes, bytes_per_s=wbytes / t, frac_copy_bw=wbytes / t / copy_bw,
-               tflops=2 * m * k * n / t / 1e12, config=cfg.__dict__)
+               tflops=2 * m * k * n / t / 1e12, config=cfg.__dict__, read_floor_us=t_read * 1e6,
+               read_floor_frac_copy_bw=wbytes / t_read / copy_bw, frac_of_read_floor=t_read / t)
     if baselines:
         rb = int(min(max_rotate, max(2, math.ceil(ROTATE_BYTES / (2 * k * n)))))
         wb = [bf16_equiv(ws[i % r]) for i in range(rb)]
@@ -204,10 +224,15 @@ def bench_moe(m, copy_bw, cfg=None):
     t, t_wall, top = measure(f, xs, ids, wts, wgu, wd, n_calls=r)
     uniq = float(np.mean([len(np.unique(np.asarray(ids[j]))) for j in range(r)]))
     wbytes = uniq * per_expert
+
+    # read floor: the two dependent passes of the MLP (gate/up, then down) over the routed experts' bytes
+    t_read = read_floor([uniq * wgu.source_bytes / e, uniq * wd.source_bytes / e], r)
     flops = 2 * m * k * (h * 2 * i + i * h)
     return dict(kind="moe", name="experts_10of512_int4", E=e, H=h, I=i, topk=k, bits=bits, group=g, M=m,
                 rotate=r, us=t * 1e6, us_wall=t_wall * 1e6, kernels_us=top, unique_experts=uniq, source_bytes=wbytes, bytes_per_s=wbytes / t,
-                frac_copy_bw=wbytes / t / copy_bw, tflops=flops / t / 1e12, kernel_path=path, config=cfg_desc)
+                frac_copy_bw=wbytes / t / copy_bw, tflops=flops / t / 1e12, kernel_path=path, config=cfg_desc,
+                read_floor_us=t_read * 1e6, read_floor_frac_copy_bw=wbytes / t_read / copy_bw,
+                frac_of_read_floor=t_read / t)
 
 
 def tune_moe(copy_bw, out_rows):
@@ -329,6 +354,11 @@ def main():
               f"{r.get('speedup_vs_xla_dequant', float('nan')):6.2f}")
 
 
+def _span(values):
+    vals = [v for v in values if v is not None]
+    return {"min": min(vals), "max": max(vals)} if vals else None
+
+
 def summarize(rows, copy_bw, device_kind, jax_version, date):
     """The report's summary. The dense figures follow quant_matmul's dispatch: the Pallas kernel ("us": the GEMV
     kernel for M <= GEMV_AUTO_MAX_M, the tensor-core kernel up to DECODE_MAX_M), dequant_dot_xla ("xla_dequant_us",
@@ -355,6 +385,12 @@ def summarize(rows, copy_bw, device_kind, jax_version, date):
                                                                 default=None),
         prefill_m512_pallas_kernel_max_fraction_of_bf16_dot=max((r["frac_bf16_dot_flops"] for r in pre),
                                                                 default=None),
+        # what a kernel that only READS the same bytes reaches at the same size (bench_dense's read_floor_us):
+        # the ceiling set by the matrix size alone (launch, ramp and tail of one pass over 3-25 MB)
+        dense_read_floor_fraction_of_copy_bw_m_le_16=_span(r.get("read_floor_frac_copy_bw") for r in big_decode),
+        dense_fraction_of_read_floor_m_le_16=_span(r.get("frac_of_read_floor") for r in big_decode),
+        moe_decode_read_floor_fraction_of_copy_bw=_span(r.get("read_floor_frac_copy_bw") for r in moe_dec),
+        moe_decode_fraction_of_read_floor=_span(r.get("frac_of_read_floor") for r in moe_dec),
         targets=dict(dense_m_le_16_copy_bw=0.75, moe_decode_copy_bw=0.60, prefill_m512_bf16_dot=0.50),
         timing="us = GPU time per call from the profiler device trace (all kernels of the call incl. XLA "
                "glue, host launch gaps excluded); us_wall = wall time per call of an R-call program",

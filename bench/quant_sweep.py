@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.quant_matmul import copy_bandwidth, device_time, moe_routing, random_qweight
-from pallas_kernels.moe_matmul import (MoEGemvConfig, check_moe_gemv, routed_experts_gemv,
-                                       routed_experts_reference)
+from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, check_moe_gemv, routed_experts_gemv,
+                                       routed_experts_pallas, routed_experts_reference)
 from pallas_kernels.quant_gemv import (GemvConfig, _splits_for, check_gemv_config, default_gemv_config,
                                        quant_matmul_gemv)
 from pallas_kernels.quant_matmul import DenseConfig, default_config, quant_matmul_pallas, quant_matmul_reference
@@ -199,10 +199,15 @@ class Sweep:
                "config": dataclasses.asdict(cfg)}
         try:
             wgu, wd, ids, wts, xs, ref, nbytes = self.moe_data(m)
-            row["resolved_bn_splits"] = check_moe_gemv(xs[0].shape, ids[0].shape, wgu, wd, cfg)
             r = len(xs)
-            f = jax.jit(lambda xs, ids, wts, wgu, wd: [
-                routed_experts_gemv(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
+            if isinstance(cfg, MoEConfig):  # the sorted-tiles tensor-core path
+                row["resolved_bn_splits"] = None
+                f = jax.jit(lambda xs, ids, wts, wgu, wd: [
+                    routed_experts_pallas(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
+            else:
+                row["resolved_bn_splits"] = check_moe_gemv(xs[0].shape, ids[0].shape, wgu, wd, cfg)
+                f = jax.jit(lambda xs, ids, wts, wgu, wd: [
+                    routed_experts_gemv(xs[j], ids[j], wts[j], wgu, wd, config=cfg) for j in range(r)])
             self.check_and_time(row, f, (xs, ids, wts, wgu, wd), ref, r, nbytes)
         except Exception as ex:  # noqa: BLE001
             row["error"] = f"{type(ex).__name__}: {str(ex)[:600]}"
@@ -266,6 +271,8 @@ class Sweep:
             elif kind == "dense":
                 cs = (f"{r['label']}: bn={c['bn']} splits={c['splits']} rows={c['rows']} warps={c['num_warps']} "
                       f"fields={c['fields']} unroll={c['unroll']} sync={c['sync_loads']} programs={r['programs']}")
+            elif "bm" in c:
+                cs = f"{r['label']}: sorted tiles bm={c['bm']} bn={c['bn_gate_up']}/{c['bn_down']}"
             else:
                 cs = (f"{r['label']}: bn/splits gate_up,down={r['resolved_bn_splits']} rows={c['rows']} "
                       f"warps={c['num_warps']} fields={c['fields']} sync={c['sync_loads']}")
@@ -306,6 +313,49 @@ def small_m(sw, shapes, ms):
                 sw.run_dense(shape, m, label, cfg)
 
 
+def tc_tune(sw, shapes, ms):
+    """The tensor-core kernel (weights on the left) at M = 3..16: split-K (how many programs, i.e. waves of
+    resident programs), software-pipeline stages, groups per loop iteration, warps and BN around the default."""
+    for shape in shapes:
+        _, k, n, bits, g, _ = shape
+        ng = k // g
+        for m in ms:
+            base = default_config(m, k, n, bits, g)
+            tiles = -(-m // base.bm) * (n // base.bn)
+            cands = [("default", base)]
+            for target in (132, 264, 396, 792, 1056, 2112):
+                s = _splits_for(ng, tiles, target)
+                gpi = 2 if (ng // s) % 2 == 0 else 1
+                cands.append((f"programs{target}", dataclasses.replace(base, splits=s, groups_per_iter=gpi)))
+            cands += [("stages2", dataclasses.replace(base, num_stages=2)),
+                      ("stages4", dataclasses.replace(base, num_stages=4)),
+                      ("gpi1", dataclasses.replace(base, groups_per_iter=1)),
+                      ("warps8", dataclasses.replace(base, num_warps=8))]
+            for bn in (64, 256):
+                if bn != base.bn and n % bn == 0:
+                    cands.append((f"bn{bn}", dataclasses.replace(
+                        base, bn=bn, splits=_splits_for(ng, -(-m // base.bm) * (n // bn) * bn // 128, 528),
+                        groups_per_iter=1)))
+            seen = set()
+            for label, cfg in cands:
+                if cfg in seen:
+                    continue
+                seen.add(cfg)
+                if sw.out_of_time():
+                    return
+                sw.run_dense(shape, m, label, cfg)
+
+
+def moe_paths(sw, ms):
+    """Routed experts at M = 1..32 tokens (10 pairs each): the per-pair GEMV path against the sorted tiles, to
+    place routed_experts' MOE_GEMV_MAX_PAIRS."""
+    for m in ms:
+        for label, cfg in (("gemv", MoEGemvConfig()), ("tiles", MoEConfig())):
+            if sw.out_of_time():
+                return
+            sw.run_moe(m, label, cfg)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one (default) config per shape: compile check")
@@ -313,22 +363,33 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="profiled repetitions per config")
     ap.add_argument("--only", default="", help="comma list of shape names (and/or 'moe')")
     ap.add_argument("--out", default="", help="JSON path (default $OUT/quant_sweep.json)")
-    ap.add_argument("--plan", default="gemv", choices=("gemv", "small_m", "moe"),
+    ap.add_argument("--plan", default="gemv", choices=("gemv", "small_m", "moe", "tc_tune", "moe_paths"),
                     help="gemv: the GEMV sweep below; small_m: M = 3..16 tensor-core kernel with the weights on "
                          "the right (default) vs on the left (weights_left) vs the GEMV; moe: the MoE decode "
                          "configs only")
-    ap.add_argument("--ms", default="4,16", help="token counts of the small_m plan")
+    ap.add_argument("--ms", default="4,16", help="token counts of the small_m, tc_tune and moe_paths plans")
     args = ap.parse_args()
     sw = Sweep(args)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     sw.copy_bw = copy_bandwidth()
     print(f"copy bandwidth {sw.copy_bw / 1e12:.2f} TB/s", flush=True)
     only = set(filter(None, args.only.split(",")))
-    shapes = [s for s in SHAPES if not only or s[0] in only]
+    order = [v for v in args.only.split(",") if v]
+    shapes = sorted((s for s in SHAPES if not only or s[0] in only),  # in --only's order
+                    key=lambda s: order.index(s[0]) if s[0] in order else 0)
     do_moe = not only or "moe" in only
 
     if args.plan == "small_m":
         small_m(sw, shapes, tuple(int(v) for v in args.ms.split(",")))
+        sw.write()
+        sw.table()
+        return
+    if args.plan in ("tc_tune", "moe_paths"):
+        ms = tuple(int(v) for v in args.ms.split(","))
+        if args.plan == "tc_tune":
+            tc_tune(sw, shapes, ms)
+        else:
+            moe_paths(sw, ms)
         sw.write()
         sw.table()
         return

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import sampling
+from .compile_ahead import CompileAhead, abstract
 from .device_sampling import SamplingInputs, device_sampled, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
@@ -98,7 +99,8 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple[Any, Callable, set]] = {}  # id(runner) -> (runner, jitted step, shapes compiled)
+_JIT: dict[int, tuple[Any, Callable, set, CompileAhead]] = {}  # id(runner) -> (runner, jitted step, shapes
+# compiled, its background compiler)
 
 
 def with_device_sampling(step: Callable) -> Callable:
@@ -122,14 +124,16 @@ def with_device_sampling(step: Callable) -> Callable:
     return run
 
 
-def jitted_step(runner: ModelRunner) -> tuple[Callable, set]:
-    """The runner's jitted step (one per runner, shared by its engines) and the set of input shapes it has been
-    called with (a new shape compiles: about a minute at the real model size, so the engine logs it)."""
+def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
+    """The runner's jitted step (one per runner, shared by its engines), the set of input shapes compiled for it
+    (a new shape compiles: about a minute at the real model size, so the engine logs it) and the background
+    compiler that compiles shapes before they are needed (compile_ahead.py)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        hit = (runner, jax.jit(with_device_sampling(runner.step), donate_argnums=(1,)), set())
+        jitted, shapes = jax.jit(with_device_sampling(runner.step), donate_argnums=(1,)), set()
+        hit = (runner, jitted, shapes, CompileAhead(jitted, shapes))
         _JIT[id(runner)] = hit
-    return hit[1], hit[2]
+    return hit[1], hit[2], hit[3]
 
 
 class HostOutputs:
@@ -176,6 +180,9 @@ class EngineConfig:
     min_batch_bucket: int = 1  # shape buckets: B and T are powers of two >= these (fewer compilations)
     min_token_bucket: int = 1
     min_pool_capacity: tuple = (1, 1, 1)  # device pools (slots, pages, snapshots) rounded up to >= these
+    # compile the decode step for the next page-table width in the background while decoding at a width, so a
+    # request whose context outgrows its width does not stall every request for a compile (compile_ahead.py)
+    compile_ahead: bool = True
 
 
 class Engine:
@@ -202,7 +209,10 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size), self.ledger)
-        self._step, self._shapes_seen = jitted_step(runner)
+        self._step, self._shapes_seen, self._ahead = jitted_step(runner)
+        # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
+        # that run at every width as a context grows, so the ones compiled ahead
+        self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
         self.requests: dict[str, Request] = {}
         self.step_id = 0
@@ -260,6 +270,8 @@ class Engine:
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             sampling_inputs = self._sampling_inputs(ticket)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width, sampling_inputs is not None)
+            if self._ahead.wait(shape):
+                log.info("waited for the background compile of the engine step for shape %s", shape)
             new_shape = shape not in self._shapes_seen
             if new_shape:
                 log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "
@@ -273,6 +285,8 @@ class Engine:
             self.ledger.store = store
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
+            if self.cfg.compile_ahead:
+                self._compile_next_width(shape, batch, sampling_inputs)
         elif self.pending:
             self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
             self.counters["bubbles"] += 1
@@ -288,6 +302,24 @@ class Engine:
             self.pending.clear()
         self.ledger.flush()
         return updated
+
+    def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs):
+        """After a decode step at page-table width W: have the same step at width 2W compiled in the background
+        (once per shape), so that it is ready when a row's context outgrows W."""
+        b, t, width, sampled = shape
+        if t > self._decode_tokens or width >= self.max_pages_per_row:
+            return
+        wider = min(2 * width, self.max_pages_per_row)
+        key = (b, t, wider, sampled)
+
+        def args():
+            ints = abstract(batch.ints)
+            ints = jax.ShapeDtypeStruct((b, 4 + t + wider), ints.dtype, sharding=ints.sharding)
+            wide_batch = PackedBatch(ints, abstract(batch.host), t)
+            return (abstract(self.runner.params), abstract(self.ledger.store), wide_batch, abstract(sampling_inputs))
+        if self._ahead.request(key, args, f"{b} rows x {t} tokens, page tables of {wider} pages"
+                                         f"{', sampling on the device' if sampled else ''}"):
+            self.counters["compiles_ahead"] += 1
 
     def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:
         order = list(range(len(plans)))

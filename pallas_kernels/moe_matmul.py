@@ -71,7 +71,12 @@ class MoEConfig:
     num_stages: int = 3
 
 
-MOE_GEMV_MAX_PAIRS = 32  # routed_experts(path="auto") takes the GEMV path when M*k <= this (0: never)
+# routed_experts(path="auto") takes the GEMV path when M*k <= this (0: never). H200, 10-of-512 int4 experts
+# (bench/results/quant_sweep_moe_paths.json): the per-pair GEMV beats the sorted tiles at every measured size up to
+# 320 pairs (M = 4: 53 vs 114 us; M = 16: 166 vs 311; M = 32: 300 vs 502), although it re-reads an expert for every
+# pair routed to it. Larger batches keep the tiles, which read each expert once (M = 64: 729 us, M = 512: 1077 us;
+# the GEMV was not measured there).
+MOE_GEMV_MAX_PAIRS = 320
 MOE_PATHS = ("auto", "tiles", "gemv")
 
 
