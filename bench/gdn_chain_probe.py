@@ -25,9 +25,7 @@ more than `dots`, the loads are not hidden and a load schedule can.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import sys
 
@@ -38,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bench.quant_matmul import device_time
+from bench.results_io import save_result
 
 SMOKE = bool(os.environ.get("GDN_BENCH_SMOKE"))
 HV, D, BV = (2, 32, 16) if SMOKE else (48, 128, 32)
@@ -150,12 +149,8 @@ def main():
         return
     k2_step, k2_top = real_k2_us_per_step()
     rows.append(dict(mode="k2", num_stages="default", us_per_step=k2_step, top_kernels_ms=k2_top))
-    out = args.out or os.path.join(os.environ.get("OUT", "bench/results"), "gdn_chain_probe.json")
-    summary = dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                   date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   T=T, chunks=T // C, programs=HV * (D // BV), block_v=BV, num_warps=4)
-    with open(out, "w") as fh:
-        json.dump(dict(summary=summary, rows=rows), fh, indent=1)
+    save_result("gdn_chain_probe.json", rows, args.out, T=T, chunks=T // C, programs=HV * (D // BV), block_v=BV,
+                num_warps=4)
     print(f"\n{'mode':8s} {'stages':>7} {'us/step':>8}")
     for r in rows:
         print(f"{r['mode']:8s} {str(r['num_stages']):>7} {r['us_per_step']:8.2f}")

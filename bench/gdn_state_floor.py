@@ -19,9 +19,7 @@ rows say how far a single kernel of this size gets from that floor before any ma
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import sys
 
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bench.quant_matmul import copy_bandwidth, device_time
+from bench.results_io import save_result
 
 SMOKE = bool(os.environ.get("GDN_BENCH_SMOKE"))
 HV, D = (4, 32) if SMOKE else (48, 128)
@@ -123,13 +122,8 @@ def main():
                   f"{t / floor:4.2f}x floor", flush=True)
     if SMOKE:
         return
-    out = args.out or os.path.join(os.environ.get("OUT", "bench/results"), "gdn_state_floor.json")
-    summary = dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                   date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                   copy_bandwidth_tb_s=bw / 1e12, layers=L, steps=REPS,
-                   floor="2 x B x Hv x Dk x Dv x 4 bytes at the copy bandwidth (issue 5's state-traffic floor)")
-    with open(out, "w") as fh:
-        json.dump(dict(summary=summary, rows=rows), fh, indent=1)
+    save_result("gdn_state_floor.json", rows, args.out, copy_bandwidth_tb_s=bw / 1e12, layers=L, steps=REPS,
+                floor="2 x B x Hv x Dk x Dv x 4 bytes at the copy bandwidth (issue 5's state-traffic floor)")
     print(f"\n{'B':>3} {'variant':25s} {'us/layer':>8} {'x floor':>7}")
     for r in rows:
         print(f"{r['B']:3d} {r['variant']:25s} {r['us_per_layer']:8.2f} {r['over_floor']:7.2f}")
