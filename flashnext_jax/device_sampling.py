@@ -36,18 +36,29 @@ def device_sampled(params: SamplingParams, num_speculative_tokens: int) -> bool:
     return not params.greedy and not params.has_penalties and num_speculative_tokens == 0
 
 
+TOP_CAP = 256  # top-k / top-p first look among the largest TOP_CAP entries (lax.top_k), else sort the row
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["temperature", "top_k", "top_p", "min_p", "key_data"], meta_fields=[])
+                   data_fields=["temperature", "top_k", "top_p", "min_p", "key_data"],
+                   meta_fields=["top_k_mode", "use_top_p"])
 @dataclasses.dataclass(frozen=True)
 class SamplingInputs:
     """Per batch row: the sampling parameters and the key of the row's next output token (padding and rows that do
-    not sample on the device: temperature 1, no masks, key 0; their samples are never read)."""
+    not sample on the device: temperature 1, no masks, key 0; their samples are never read).
+
+    `top_k_mode` and `use_top_p` say which masks some row of the batch uses. They are static (pytree metadata, so
+    part of the jitted step's cache key) because the host knows them: a mask is chosen at trace time instead of by
+    a `lax.cond` on device values, which made the H200 step's jitted call wait until the step had run
+    (bench/results/engine_step_sampling.json). The price is one compiled step per combination in use."""
 
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
     min_p: jax.Array  # [B] float32, 0 = off
     key_data: jax.Array  # [B, 2] uint32 threefry key data
+    top_k_mode: str = "sort"  # TOP_K_MODES: no row uses top-k / every k <= TOP_CAP / some k > TOP_CAP
+    use_top_p: bool = True  # some row uses top-p
 
     @staticmethod
     def for_rows(rows: list[tuple[SamplingParams, int] | None], batch_size: int) -> "SamplingInputs":
@@ -63,18 +74,36 @@ class SamplingInputs:
             p, index = row
             temperature[b], top_k[b], top_p[b], min_p[b] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
             key_data[b] = np.random.SeedSequence([p.seed or 0, index, _PURPOSE]).generate_state(2, np.uint32)
-        return SamplingInputs(temperature, top_k, top_p, min_p, key_data)
+        return SamplingInputs(temperature, top_k, top_p, min_p, key_data, *mask_modes(top_k, top_p))
+
+    @property
+    def masks(self) -> tuple[str, bool]:
+        """The static part: which masks the batch's step computes."""
+        return self.top_k_mode, self.use_top_p
 
 
-TOP_CAP = 256  # top-k / top-p first look among the largest TOP_CAP entries (lax.top_k), else sort the row
+TOP_K_MODES = ("off", "cap", "sort")
 
 
-def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Array:
+def mask_modes(top_k: np.ndarray, top_p: np.ndarray) -> tuple[str, bool]:
+    """Host values of the rows' top_k (0 = off) and top_p (1 = off) -> (top_k_mode, use_top_p) for masked_probs.
+    A k >= the vocabulary keeps every token; "sort" is still exact for it, only slower."""
+    top_k, top_p = np.asarray(top_k), np.asarray(top_p)
+    top_k_mode = "sort" if np.any(top_k > TOP_CAP) else "cap" if np.any(top_k > 0) else "off"
+    return top_k_mode, bool(np.any(top_p < 1.0))
+
+
+def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p, *, top_k_mode: str, use_top_p: bool
+                 ) -> jax.Array:
     """logits [..., V] and per-row parameters of shape [...] -> normalised probabilities [..., V] float32.
 
-    Sorting 248k entries per row is slow (118 ms on a 2-core CPU), so each mask only runs when some row uses it,
-    and top-k / top-p look among the TOP_CAP largest entries first: exact whenever every row's k <= TOP_CAP and
-    every row's nucleus ends inside them (checked; else the full sort)."""
+    Sorting 248k entries per row is slow (118 ms on a 2-core CPU), so each mask is only traced when some row uses
+    it (`top_k_mode`, `use_top_p`: static, from `mask_modes` on the host values), and top-k / top-p look among the
+    TOP_CAP largest entries first: top-k sorts the row only in mode "sort"; top-p is exact whenever every row's
+    nucleus ends inside them, which only the device knows (a `lax.cond` falls back to the full sort: the one
+    device-value branch left, in steps where some row uses top-p)."""
+    if top_k_mode not in TOP_K_MODES:
+        raise ValueError(f"top_k_mode {top_k_mode!r} not in {TOP_K_MODES}")
     lead, v = logits.shape[:-1], logits.shape[-1]
     n, cap = int(np.prod(lead)), min(TOP_CAP, v)
     x = logits.reshape(n, v).astype(jnp.float32) / temperature.reshape(n)[:, None]
@@ -84,16 +113,12 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Arr
     use_k = (top_k > 0) & (top_k < v)
     k = jnp.where(use_k, top_k, 1)
 
-    def kth_largest(x):  # [n, 1]: the k-th largest value of each row (ties counted), from the top TOP_CAP if k fits
-        def small(x):
-            return jnp.take_along_axis(jax.lax.top_k(x, cap)[0], jnp.minimum(k, cap)[:, None] - 1, axis=-1)
-
-        def full(x):
-            return jnp.take_along_axis(-jnp.sort(-x, axis=-1), k[:, None] - 1, axis=-1)
-        return jax.lax.cond(jnp.all(k <= cap), small, full, x)
-
-    kth = jax.lax.cond(jnp.any(use_k), kth_largest, lambda x: jnp.full((n, 1), -jnp.inf), x)
-    x = jnp.where(use_k[:, None] & (x < kth), -jnp.inf, x)
+    if top_k_mode != "off":  # kth [n, 1]: the k-th largest value of each row (ties counted)
+        if top_k_mode == "cap":  # every k <= TOP_CAP (or k >= v: no mask)
+            kth = jnp.take_along_axis(jax.lax.top_k(x, cap)[0], jnp.minimum(k, cap)[:, None] - 1, axis=-1)
+        else:
+            kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), k[:, None] - 1, axis=-1)
+        x = jnp.where(use_k[:, None] & (x < kth), -jnp.inf, x)
     p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
     p = p / jnp.sum(p, axis=-1, keepdims=True)
 
@@ -112,8 +137,8 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Arr
             return keep_of(jnp.take_along_axis(p, order, axis=-1), order)[0]
         return jax.lax.cond(jnp.any(use_p & open_end), full, lambda p: small, p)
 
-    keep = jax.lax.cond(jnp.any(use_p), nucleus, lambda p: jnp.ones((n, v), bool), p)
-    p = jnp.where(use_p[:, None] & ~keep, 0.0, p)
+    if use_top_p:
+        p = jnp.where(use_p[:, None] & ~nucleus(p), 0.0, p)
     p = jnp.where(p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), p, 0.0)
     return (p / jnp.sum(p, axis=-1, keepdims=True)).reshape(*lead, v)
 
@@ -127,7 +152,7 @@ def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     b, k1, v = logits.shape
     bcast = lambda a: jnp.broadcast_to(a[:, None], (b, k1))  # noqa: E731
     p = masked_probs(logits, bcast(inputs.temperature), bcast(inputs.top_k), bcast(inputs.top_p),
-                     bcast(inputs.min_p))
+                     bcast(inputs.min_p), top_k_mode=inputs.top_k_mode, use_top_p=inputs.use_top_p)
     keys = jax.vmap(lambda d: jax.random.wrap_key_data(d, impl="threefry2x32"))(inputs.key_data)
     # one u per row for all columns: which column holds the row's last token depends on how its prompt was chunked
     u = jax.vmap(jax.random.uniform)(keys)[:, None]

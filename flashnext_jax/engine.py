@@ -136,6 +136,15 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
     return hit[1], hit[2], hit[3]
 
 
+def _sampling_words(masks: tuple | None) -> str:
+    """How a step shape's sampling part reads in the log (None: no row samples on the device)."""
+    if masks is None:
+        return ""
+    top_k_mode, use_top_p = masks
+    return (", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[top_k_mode]
+            + (" with top-p" if use_top_p else ""))
+
+
 class HostOutputs:
     """One step's outputs, copied to the host on first use and only the ones used (the full logits only when a
     row samples with a temperature or penalties)."""
@@ -269,14 +278,14 @@ class Engine:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             sampling_inputs = self._sampling_inputs(ticket)
-            shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width, sampling_inputs is not None)
+            shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
+                     None if sampling_inputs is None else sampling_inputs.masks)
             if self._ahead.wait(shape):
                 log.info("waited for the background compile of the engine step for shape %s", shape)
             new_shape = shape not in self._shapes_seen
             if new_shape:
                 log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "
-                         "shape; about a minute at the real model size)", *shape[:3],
-                         ", sampling on the device" if shape[3] else "")
+                         "shape; about a minute at the real model size)", *shape[:3], _sampling_words(shape[3]))
                 t0 = time.perf_counter()
             store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs)
             if new_shape:
@@ -306,11 +315,11 @@ class Engine:
     def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs):
         """After a decode step at page-table width W: have the same step at width 2W compiled in the background
         (once per shape), so that it is ready when a row's context outgrows W."""
-        b, t, width, sampled = shape
+        b, t, width, masks = shape
         if t > self._decode_tokens or width >= self.max_pages_per_row:
             return
         wider = min(2 * width, self.max_pages_per_row)
-        key = (b, t, wider, sampled)
+        key = (b, t, wider, masks)
 
         def args():
             ints = abstract(batch.ints)
@@ -318,7 +327,7 @@ class Engine:
             wide_batch = PackedBatch(ints, abstract(batch.host), t)
             return (abstract(self.runner.params), abstract(self.ledger.store), wide_batch, abstract(sampling_inputs))
         if self._ahead.request(key, args, f"{b} rows x {t} tokens, page tables of {wider} pages"
-                                         f"{', sampling on the device' if sampled else ''}"):
+                                         f"{_sampling_words(masks)}"):
             self.counters["compiles_ahead"] += 1
 
     def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:

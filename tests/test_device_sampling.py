@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashnext_jax.device_sampling import SamplingInputs, device_sampled, masked_probs, sample_tokens
+import jax
+
+from flashnext_jax.device_sampling import (SamplingInputs, device_sampled, mask_modes, masked_probs,
+                                           sample_tokens)
 from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.sampling import SamplingParams, probs_from_logits
 from flashnext_jax.toy_model import ToyConfig, ToyRunner
@@ -22,8 +25,9 @@ def test_masked_probs_equal_the_host_distribution(kw):
     logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
     p = SamplingParams(**kw)
     one = lambda v: jnp.full((4,), v)  # noqa: E731
+    modes = dict(zip(("top_k_mode", "use_top_p"), mask_modes(np.full(4, max(p.top_k, 0)), np.full(4, p.top_p))))
     got = np.asarray(masked_probs(jnp.asarray(logits), one(p.temperature), one(max(p.top_k, 0)), one(p.top_p),
-                                  one(p.min_p)))
+                                  one(p.min_p), **modes))
     if kw.get("top_p", 1) == 0.99:  # this case must take the full-sort fallback
         ref0 = probs_from_logits(logits[0].astype(np.float64), p)
         assert np.count_nonzero(ref0) > 256
@@ -38,8 +42,46 @@ def test_tied_logits_follow_the_host_tie_rules():
     for kw in (dict(top_k=2), dict(top_k=3), dict(top_p=0.5), dict(top_p=0.75)):
         p = SamplingParams(temperature=1.0, **kw)
         one = lambda v: jnp.full((1,), v)  # noqa: E731
-        got = np.asarray(masked_probs(jnp.asarray(logits), one(1.0), one(p.top_k), one(p.top_p), one(p.min_p)))[0]
+        got = np.asarray(masked_probs(jnp.asarray(logits), one(1.0), one(p.top_k), one(p.top_p), one(p.min_p),
+                                      top_k_mode="cap" if p.top_k > 0 else "off", use_top_p=p.top_p < 1))[0]
         assert np.array_equal(got > 0, probs_from_logits(logits[0].astype(np.float64), p) > 0), kw
+
+
+def test_rows_without_a_mask_are_unchanged_by_another_rows_mask():
+    """A batch's mask modes are the union of its rows' masks: a row without top-k / top-p gets the same
+    probabilities in any mode (so its tokens do not depend on what its batch neighbours ask for)."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray((rng.standard_normal((3, 300)) * 3).astype(np.float32))
+    temperature, top_k, top_p, min_p = (jnp.asarray(a) for a in ([0.7, 1.0, 1.0], [0, 20, 0], [1.0, 1.0, 0.9],
+                                                                 [0.0, 0.0, 0.0]))
+    plain = np.asarray(masked_probs(logits[:1], temperature[:1], top_k[:1], top_p[:1], min_p[:1],
+                                    top_k_mode="off", use_top_p=False))[0]
+    for top_k_mode in ("off", "cap", "sort"):
+        for use_top_p in (False, True):
+            got = np.asarray(masked_probs(logits, temperature, top_k, top_p, min_p, top_k_mode=top_k_mode,
+                                          use_top_p=use_top_p))
+            np.testing.assert_array_equal(got[0], plain)
+    with pytest.raises(ValueError, match="top_k_mode"):
+        masked_probs(logits, temperature, top_k, top_p, min_p, top_k_mode="all", use_top_p=False)
+
+
+def test_mask_modes_and_the_traced_branches():
+    """The masks a batch uses are chosen on the host, so a step that samples with a temperature or top-k alone has
+    no device-value branch (lax.cond: on the H200 it made the jitted call wait for the step to run); only top-p keeps
+    one (its nucleus may end past the TOP_CAP largest entries: the full-sort fallback)."""
+    def rows(*params):
+        return [(SamplingParams(**kw), 0) for kw in params]
+    cases = [(rows(dict(temperature=0.7)), ("off", False), 0, 0),
+             (rows(dict(temperature=0.7), dict(temperature=1.0, top_k=50)), ("cap", False), 0, 0),
+             (rows(dict(temperature=1.0, top_k=257)), ("sort", False), 0, 1),
+             (rows(dict(temperature=0.7), dict(temperature=1.0, top_p=0.9)), ("off", True), 1, 1),
+             (rows(dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1)), ("cap", True), 1, 1)]
+    for rs, masks, conds, sorts in cases:
+        inputs = SamplingInputs.for_rows(rs + [None], len(rs) + 1)
+        assert inputs.masks == masks
+        jaxpr = str(jax.make_jaxpr(sample_tokens)(jnp.zeros((len(rs) + 1, 2, 300)), inputs))
+        assert jaxpr.count("cond[") == conds, (masks, jaxpr.count("cond["))
+        assert jaxpr.count(" sort[") == sorts, (masks, jaxpr.count(" sort["))
 
 
 def test_samples_follow_the_distribution_and_ignore_the_batch():
@@ -81,19 +123,21 @@ def test_engine_samples_on_the_device_batch_invariant(monkeypatch):
     real = engine_module.HostOutputs.__getitem__
     monkeypatch.setattr(engine_module.HostOutputs, "__getitem__", lambda self, name: fetched.add(name) or real(self, name))
 
-    def run(prompts, seeds):
+    masks = [dict(top_k=20), dict(), dict(top_p=0.8)]  # each row its own: the batched steps use their union
+
+    def run(prompts, seeds, masks=masks):
         eng = Engine(runner, EngineConfig(max_model_len=32, min_batch_bucket=4, min_token_bucket=4,
                                           min_pool_capacity=(4, 64, 4)))
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-            eng.add_request(str(i), prompt, SamplingParams(temperature=1.0, top_k=20, max_tokens=10, ignore_eos=True,
-                                                           seed=seed))
+        for i, (prompt, seed, mask) in enumerate(zip(prompts, seeds, masks)):
+            eng.add_request(str(i), prompt, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=seed,
+                                                           **mask))
         while eng.has_unfinished():
             eng.step()
         return [eng.requests[str(i)].output for i in range(len(prompts))]
 
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [1, 4, 1, 4, 2, 1, 3, 5, 6]]
     batched = run(prompts, [1, 2, 3])
-    assert batched == [run([p], [s])[0] for p, s in zip(prompts, [1, 2, 3])]
+    assert batched == [run([p], [s], [m])[0] for p, s, m in zip(prompts, [1, 2, 3], masks)]
     assert batched == run(prompts, [1, 2, 3])
     assert len({tuple(o) for o in batched + run(prompts, [4, 5, 6])}) == 6  # different seeds, different tokens
     assert "logits" not in fetched and "logits_sample" in fetched
