@@ -1,4 +1,5 @@
-"""`flashnext` command line: `flashnext generate` runs greedy generation (embedded demo model by default)."""
+"""`flashnext` command line: `flashnext generate` runs one prompt through the engine (`LLM`: the same scheduler,
+state store, sampling and MTP as the server; embedded demo model by default); `flashnext serve` is serving/cli.py."""
 
 from __future__ import annotations
 
@@ -17,25 +18,30 @@ def _parse_ids(text: str) -> list[int]:
 
 def _generate(args: argparse.Namespace) -> int:
     from . import api
+    from .llm import LLM
+    from .sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else api.DEMO_MODEL
-    model = api.load(model_dir, dtype=args.dtype)
-    tokenizer = None
-    if (model_dir / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    if args.token_ids is not None:
-        ids = args.token_ids
-    else:
-        if tokenizer is None:
-            raise ValueError(f"{model_dir} has no tokenizer.json: pass --token-ids instead of --prompt")
-        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-    new = model.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=args.stop_at_eos)
-    print(f"prompt_token_ids: {list(map(int, ids))}")
-    print(f"output_token_ids: {new}")
-    if tokenizer is not None:
-        print(f"text: {tokenizer.decode(new)}")
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{str(model_dir)!r} is not a checkpoint directory")
+    if args.prompt is not None and not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{model_dir} has no tokenizer.json: pass --token-ids instead of --prompt")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=not args.stop_at_eos)
+    k = args.num_speculative_tokens
+    llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=1,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+    prompt = args.token_ids if args.token_ids is not None else llm.tokenizer.encode(args.prompt)
+    out = llm.generate(prompt, params)[0]
+    if out.error:
+        raise ValueError(out.error)
+    print(f"prompt_token_ids: {out.prompt_token_ids}")
+    print(f"output_token_ids: {out.token_ids}")
+    if llm.tokenizer is not None:
+        print(f"text: {out.text}")
+    print(f"finish_reason: {out.finish_reason}")
+    if k:
+        print(f"mtp_acceptance_rate: {out.metrics['acceptance_rate']}")
     return 0
 
 
@@ -43,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashnext", description="Qwen3.8-Flash-Next on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine is doing")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation for one prompt")
+    gen = sub.add_parser("generate", help="generate for one prompt (greedy unless --temperature > 0)")
     gen.add_argument("--model", help="checkpoint directory (default: the embedded demo model)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer.json)")
@@ -51,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     gen.add_argument("--stop-at-eos", action="store_true", help="stop early when EOS is generated")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument("--num-speculative-tokens", type=int, default=0,
+                     help="MTP draft tokens per step (0 = off); greedy output is unchanged by it, sampled output keeps "
+                          "its distribution")
     gen.set_defaults(func=_generate)
     from serving.cli import add_serve_parser
 

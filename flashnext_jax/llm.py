@@ -175,9 +175,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         reqs = [self._add(p, sp) for p, sp in zip(prompts, params)]
-        while any(not r.finished for r in reqs):
-            with self._lock:
-                self.engine.step()
+        from tqdm import tqdm
+
+        with tqdm(total=len(reqs), desc="generating", unit=" requests", disable=not use_tqdm, leave=False) as bar:
+            while any(not r.finished for r in reqs):
+                with self._lock:
+                    self.engine.step()
+                bar.update(sum(r.finished for r in reqs) - bar.n)
         return [self._output(r) for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, **template_kwargs):
