@@ -177,7 +177,7 @@ class LLM:
         reqs = [self._add(p, sp) for p, sp in zip(prompts, params)]
         from tqdm import tqdm
 
-        with tqdm(total=len(reqs), desc="generating", unit=" requests", disable=not use_tqdm, leave=False) as bar:
+        with tqdm(total=len(reqs), desc="generating", unit=" requests", disable=not use_tqdm) as bar:
             while any(not r.finished for r in reqs):
                 with self._lock:
                     self.engine.step()

@@ -283,11 +283,12 @@ def _llm(**kw):
     return LLM(CFG, max_model_len=MAX_LEN, block_size=4, **SHAPES, **kw)
 
 
-def test_llm_generate_text_and_ids_with_mtp_metrics():
+def test_llm_generate_text_and_ids_with_mtp_metrics(capsys):
     llm = _llm(max_num_seqs=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                enable_prefix_caching=True)
     outs = llm.generate(["w3 w1 w4 w1 w5", PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=10,
-                                                                       ignore_eos=True))
+                                                                       ignore_eos=True), use_tqdm=True)
+    assert "2/2" in capsys.readouterr().err  # the progress bar counted both requests
     tok = llm.get_tokenizer()
     assert outs[0].prompt_token_ids == [3, 1, 4, 1, 5]
     for o, p in zip(outs, [[3, 1, 4, 1, 5], PROMPTS[1]]):
