@@ -141,8 +141,8 @@ def _sampling_words(masks: tuple | None) -> str:
     if masks is None:
         return ""
     top_k_mode, use_top_p = masks
-    return (", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[top_k_mode]
-            + (" with top-p" if use_top_p else ""))
+    top_k = {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[top_k_mode]
+    return ", sampling on the device" + top_k + (" with top-p" if use_top_p else "")
 
 
 class HostOutputs:
