@@ -7,6 +7,6 @@ from .weights import CheckpointError
 __all__ = ["load", "Model", "DEMO_MODEL", "ModelConfig", "ConfigError", "CheckpointError", "from_hf_config",
            "load_config"]
 from .llm import LLM, RequestOutput  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+from .sampling import SamplingParams, TokenLogprob  # noqa: E402
 
-__all__ += ["LLM", "SamplingParams", "RequestOutput"]
+__all__ += ["LLM", "SamplingParams", "RequestOutput", "TokenLogprob"]

@@ -109,8 +109,12 @@ def with_device_sampling(step: Callable) -> Callable:
     the rows that sample on the device ("logits_sample", device_sampling.py). Greedy rows and device-sampled rows
     commit from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the
     real vocabulary). A PackedBatch is unpacked here, inside the jitted step. sampling_inputs None (no row samples
-    on the device): the step has no sampling code at all (jit traces None and SamplingInputs separately)."""
-    def run(params, store, batch, sampling_inputs=None):
+    on the device): the step has no sampling code at all (jit traces None and SamplingInputs separately).
+
+    `logprobs` (static: a separate compile, traced only when some row of the step asks for logprobs): also the
+    log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob", "logits_sample_logprob") and the
+    MAX_LOGPROBS most likely tokens of every position ("logits_top_ids", "logits_top_logprobs")."""
+    def run(params, store, batch, sampling_inputs=None, logprobs=False):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         store, out = step(params, store, batch)
@@ -120,6 +124,15 @@ def with_device_sampling(step: Callable) -> Callable:
             out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
         if sampling_inputs is not None:
             out["logits_sample"] = sample_tokens(out["logits"], sampling_inputs)
+        if logprobs:
+            x = out["logits"].astype(jnp.float32)
+            lse = jax.nn.logsumexp(x, axis=-1)
+            top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
+            out["logits_top_logprobs"] = top_values - lse[..., None]
+            out["logits_argmax_logprob"] = jnp.max(x, axis=-1) - lse
+            if sampling_inputs is not None:
+                chosen = jnp.take_along_axis(x, out["logits_sample"][..., None], axis=-1)[..., 0]
+                out["logits_sample_logprob"] = chosen - lse
         return store, out
     return run
 
@@ -130,7 +143,7 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
     compiler that compiles shapes before they are needed (compile_ahead.py)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        jitted, shapes = jax.jit(with_device_sampling(runner.step), donate_argnums=(1,)), set()
+        jitted, shapes = jax.jit(with_device_sampling(runner.step), donate_argnums=(1,), static_argnums=(4,)), set()
         hit = (runner, jitted, shapes, CompileAhead(jitted, shapes))
         _JIT[id(runner)] = hit
     return hit[1], hit[2], hit[3]
@@ -154,7 +167,7 @@ class HostOutputs:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._host:
-            small = [n for n in self._out if n.endswith(("_argmax", "_finite"))]
+            small = [n for n in self._out if n.endswith(("_argmax", "_finite", "_logprob", "_logprobs", "_top_ids"))]
             # the few-byte greedy outputs come over together: one device_get instead of one sync copy each
             names = small if name in small else [name]
             self._host.update(zip(names, jax.device_get([self._out[n] for n in names])))
@@ -278,16 +291,18 @@ class Engine:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             sampling_inputs = self._sampling_inputs(ticket)
+            logprobs = any(self.requests[r.request_id].params.logprobs is not None for r in ticket.rows if r.samples)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
-                     None if sampling_inputs is None else sampling_inputs.masks)
+                     None if sampling_inputs is None else sampling_inputs.masks, logprobs)
             if self._ahead.wait(shape):
                 log.info("waited for the background compile of the engine step for shape %s", shape)
             new_shape = shape not in self._shapes_seen
             if new_shape:
                 log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "
-                         "shape; about a minute at the real model size)", *shape[:3], _sampling_words(shape[3]))
+                         "shape; about a minute at the real model size)", *shape[:3],
+                         _sampling_words(shape[3]) + (", with logprobs" if logprobs else ""))
                 t0 = time.perf_counter()
-            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs)
+            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs)
             if new_shape:
                 self._shapes_seen.add(shape)
                 log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
@@ -315,19 +330,20 @@ class Engine:
     def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs):
         """After a decode step at page-table width W: have the same step at width 2W compiled in the background
         (once per shape), so that it is ready when a row's context outgrows W."""
-        b, t, width, masks = shape
+        b, t, width, masks, logprobs = shape
         if t > self._decode_tokens or width >= self.max_pages_per_row:
             return
         wider = min(2 * width, self.max_pages_per_row)
-        key = (b, t, wider, masks)
+        key = (b, t, wider, masks, logprobs)
 
         def args():
             ints = abstract(batch.ints)
             ints = jax.ShapeDtypeStruct((b, 4 + t + wider), ints.dtype, sharding=ints.sharding)
             wide_batch = PackedBatch(ints, abstract(batch.host), t)
-            return (abstract(self.runner.params), abstract(self.ledger.store), wide_batch, abstract(sampling_inputs))
+            return (abstract(self.runner.params), abstract(self.ledger.store), wide_batch, abstract(sampling_inputs),
+                    logprobs)
         if self._ahead.request(key, args, f"{b} rows x {t} tokens, page tables of {wider} pages"
-                                         f"{_sampling_words(masks)}"):
+                                         f"{_sampling_words(masks)}{', with logprobs' if logprobs else ''}"):
             self.counters["compiles_ahead"] += 1
 
     def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:
@@ -426,13 +442,15 @@ class Engine:
 
     def _commit_row(self, req: Request, r: RowTicket, ref, host: HostOutputs):
         new_tokens: list[int] = []
+        token_cols: list[int] = []  # the logits column each new token was chosen from (for its logprob)
         on_device = req.params.device_argmax  # greedy without penalties: the device's argmax is the token
+        sampled_on_device = False
         if not r.samples:
             accepted_inputs = r.n
         elif device_sampled(req.params, self.cfg.num_speculative_tokens):  # k = 0: no drafts to verify
             last = r.n - 1 - r.base
             sampling.check_finite_flags(host["logits_finite"][r.row, last], req.request_id)
-            new_tokens = [int(host["logits_sample"][r.row, last])]
+            new_tokens, token_cols, sampled_on_device = [int(host["logits_sample"][r.row, last])], [last], True
             accepted_inputs = r.n
         else:
             nd = r.num_drafts
@@ -446,6 +464,7 @@ class Engine:
                 m, new_tokens = sampling.verify(host["logits"][r.row, cols], drafts, req.draft_probs[:nd],
                                                 req.params, req.tokens, len(req.output), req.request_id)
             accepted_inputs = first + 1 + m
+            token_cols = cols[: len(new_tokens)]  # accepted drafts, then the bonus / resampled token
             req.metrics["num_drafts"] += nd
             req.metrics["num_accepted"] += m
             self.counters["drafts"] += nd
@@ -461,8 +480,11 @@ class Engine:
         req.drafts, req.draft_probs = [], []
         if "first_token_time" not in req.metrics:
             req.metrics["first_token_time"] = time.monotonic()
-        for t in new_tokens:
+        n_top = req.params.logprobs
+        for t, c in zip(new_tokens, token_cols):
             req.output.append(t)
+            if n_top is not None:
+                req.logprobs.append(self._token_logprob(host, r.row, c, t, n_top, on_device, sampled_on_device))
             reason = self._stop_reason(req, t)
             if reason:
                 self.sched.finish(req, reason)
@@ -481,6 +503,18 @@ class Engine:
                 probs = [p if h == d else None for h, d, p in zip(hooked, drafts, probs)]
                 drafts = hooked
             req.drafts, req.draft_probs = list(drafts), list(probs)
+
+    @staticmethod
+    def _token_logprob(host: HostOutputs, row: int, col: int, token: int, n_top: int, on_device: bool,
+                       sampled_on_device: bool) -> sampling.TokenLogprob:
+        """The logprob of a committed token and the n_top most likely at its position: from the step's device
+        outputs when the device chose the token (argmax or device sample: the full logits stay there), else from
+        the logits the host sampled from."""
+        if not (on_device or sampled_on_device):
+            return sampling.token_logprob(host["logits"][row, col], token, n_top)
+        lp = host["logits_sample_logprob" if sampled_on_device else "logits_argmax_logprob"][row, col]
+        ids, lps = host["logits_top_ids"][row, col, :n_top], host["logits_top_logprobs"][row, col, :n_top]
+        return sampling.TokenLogprob(token, float(lp), tuple((int(i), float(x)) for i, x in zip(ids, lps)))
 
     def _stop_reason(self, req: Request, t: int) -> str | None:
         p = req.params

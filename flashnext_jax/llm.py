@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from .engine import Engine, EngineConfig, ModelRunner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .scheduler import Request
 from .tokenizer import IncrementalDetokenizer, Tokenizer, toy_tokenizer
 
@@ -35,6 +35,8 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    delta_logprobs: list[TokenLogprob] | None = None
 
 
 def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Tokenizer | None]:
@@ -158,8 +160,11 @@ class LLM:
                  mean_accepted_tokens_per_step=(len(req.output) / max(1, m["num_steps"])))
         if "first_token_time" in m:
             m["time_to_first_token"] = m["first_token_time"] - m["arrival_time"]
+        wants_logprobs = req.params.logprobs is not None
         return RequestOutput(rid, self._prompts.get(rid), list(req.prompt), text, list(req.output), req.finished,
-                             req.finish_reason, m, text[n_txt:], list(req.output[n_tok:]), req.error)
+                             req.finish_reason, m, text[n_txt:], list(req.output[n_tok:]), req.error,
+                             list(req.logprobs) if wants_logprobs else None,
+                             list(req.logprobs[n_tok:]) if wants_logprobs else None)
 
     # ---- offline
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

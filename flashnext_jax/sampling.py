@@ -16,6 +16,20 @@ from typing import Sequence
 import numpy as np
 
 
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (OpenAI's limit); the step computes this many
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's raw distribution (log_softmax of the logits, before
+    temperature, penalties and masks, as vLLM reports by default) and the `top` most likely (token, logprob) pairs
+    of that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -32,6 +46,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; n: each output token's logprob and the n most likely (n <= 20)
 
     def __post_init__(self):
         def bad(field, why):
@@ -60,6 +75,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
             bad("stop_token_ids", "must be non-negative ints")
@@ -84,6 +102,16 @@ class SamplingParams:
         if self.seed is None and not self.greedy:
             return dataclasses.replace(self, seed=random.SystemRandom().randrange(2**63))
         return self
+
+
+def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
+    """TokenLogprob of `token` from one position's raw logits [V] (float64 log_softmax; ties in the top list by
+    ascending id, as lax.top_k orders them on the device)."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top = np.argsort(-lp, kind="stable")[:n_top]
+    return TokenLogprob(int(token), float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
 
 def _rng(params: SamplingParams, index: int, purpose: int) -> np.random.Generator:

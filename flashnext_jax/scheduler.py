@@ -28,6 +28,7 @@ class Request:
     params: Any  # SamplingParams
     arrival: int
     output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprob per output token, if params.logprobs
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None

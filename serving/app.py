@@ -48,14 +48,23 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The request's sampling fields, by name, into SamplingParams (which validates them)."""
-        fields = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields)
+        fields = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {"logprobs"}
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
-        return SamplingParams(**(self.model_dump(include=fields) | {"max_tokens": max_tokens}))
+        return SamplingParams(**(self.model_dump(include=fields) | {"max_tokens": max_tokens,
+                                                                   "logprobs": self.num_logprobs()}))
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top logprobs per token, None for none."""
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = None  # the completions API: n top logprobs per token (0: the chosen token's only)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -65,6 +74,45 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # the chat API: the chosen tokens' logprobs, plus top_logprobs most likely each
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class LogprobFormat:
+    """An output's TokenLogprobs as the OpenAI APIs write them, token strings from the model's tokenizer (token ids
+    as strings without one). `offset` carries the completions API's text_offset across stream chunks."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.offset = tokenizer, 0
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def completion(self, lps) -> dict | None:
+        if lps is None:
+            return None
+        tokens = [self.text(t.token_id) for t in lps]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.offset)
+            self.offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+                "top_logprobs": [{self.text(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
+
+    def chat(self, lps) -> dict | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            tok = self.text(token_id)
+            return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in lps]}
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict:
@@ -140,22 +188,26 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, default_max
             raise _Fault(last.error or "engine fault")
         usage = {"prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
                  "total_tokens": len(last.prompt_token_ids) + len(last.token_ids)}
+        fmt = LogprobFormat(llm.get_tokenizer())
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
-                      "finish_reason": last.finish_reason}
+                      "logprobs": fmt.chat(last.logprobs), "finish_reason": last.finish_reason}
         else:
             choice = {"index": 0, "text": last.text, "token_ids": last.token_ids,
-                      "finish_reason": last.finish_reason}
+                      "logprobs": fmt.completion(last.logprobs), "finish_reason": last.finish_reason}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": [choice], "usage": usage}
 
     async def _sse(first, gen, rid: str, created: int, chat: bool):
+        fmt = LogprobFormat(llm.get_tokenizer())
+
         def chunk(out) -> str:
             if chat:
-                choice = {"index": 0, "delta": {"content": out.delta_text},
+                choice = {"index": 0, "delta": {"content": out.delta_text}, "logprobs": fmt.chat(out.delta_logprobs),
                           "finish_reason": out.finish_reason if out.finished else None}
             else:
                 choice = {"index": 0, "text": out.delta_text, "token_ids": out.delta_token_ids,
+                          "logprobs": fmt.completion(out.delta_logprobs),
                           "finish_reason": out.finish_reason if out.finished else None}
             body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                     "model": model_name, "choices": [choice]}

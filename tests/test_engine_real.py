@@ -269,3 +269,21 @@ def test_real_engine_machine_long():
         rounds += 1
     print(f"real-model machine: {STEPS['n'] - start} launched engine steps in {rounds} rounds")
     assert STEPS["n"] - start >= 10_000
+
+
+def test_logprobs_equal_the_models_log_softmax():
+    """The real model behind the engine (MTP on, greedy and seeded sampling): each token's logprob and top-2 equal
+    the float64 log-softmax of Model.logits on the prompt and the tokens before it."""
+    lm = llm(1, max_num_seqs=2, max_num_batched_tokens=8)
+    params = [fj.SamplingParams(max_tokens=4, logprobs=2, **GREEDY),
+              fj.SamplingParams(max_tokens=4, logprobs=2, temperature=0.8, seed=3, ignore_eos=True)]
+    for out in lm.generate(PROMPTS[:2], params):
+        full = list(out.prompt_token_ids) + out.token_ids
+        x = model().logits(full[:-1])[len(out.prompt_token_ids) - 1:].astype(np.float64)
+        ref = x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+        for i, got in enumerate(out.logprobs):
+            assert got.token_id == out.token_ids[i]
+            np.testing.assert_allclose(got.logprob, ref[i, got.token_id], atol=1e-4)
+            top = np.argsort(-ref[i], kind="stable")[:2]
+            assert [t for t, _ in got.top] == list(top)
+            np.testing.assert_allclose([v for _, v in got.top], ref[i, top], atol=1e-4)

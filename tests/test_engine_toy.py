@@ -12,6 +12,8 @@ request's tokens equal its solo run (a prefix of it when aborted).
 
 import random
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -362,3 +364,51 @@ def test_llm_loads_tokenizer_and_chat_template_from_a_checkpoint_dir(tmp_path):
     (o,) = llm.chat([{"role": "user", "content": "w4 w5"}], SamplingParams(temperature=0.0, max_tokens=4))
     assert o.prompt_token_ids == [4, 5, 9]
     assert o.token_ids == solo_greedy(CFG, [4, 5, 9], 4, max_len=MAX_LEN)
+
+
+def _reference_logprobs(prompt, output, n_top):
+    """Each output token's float64 log-softmax under the toy model's logits after the tokens before it (the Python
+    fold, independent of the engine), and the n_top most likely (ties by ascending id)."""
+    from flashnext_jax.toy_model import fold, head, logits_row
+
+    ref = []
+    for i, t in enumerate(output):
+        s = fold(CFG, list(prompt) + list(output[:i]))
+        x = logits_row(CFG, head(CFG, s.rec, s.att)).astype(np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        top = np.argsort(-lp, kind="stable")[:n_top]
+        ref.append((lp[t], [(int(j), lp[j]) for j in top]))
+    return ref
+
+
+@pytest.mark.parametrize("case", ["greedy", "greedy_mtp", "sampled_device", "sampled_host_penalties",
+                                  "sampled_mtp"])
+def test_logprobs_equal_the_models_log_softmax(case):
+    """Every path that chooses a token (device argmax, device sample, host sampling with penalties, MTP
+    verification) reports that token's log-softmax under the raw logits and the top-n of its position, batched
+    with requests that ask for none; a request without logprobs gets None."""
+    kw = dict(temperature=0.0) if case.startswith("greedy") else dict(temperature=0.9, seed=5)
+    if case == "sampled_host_penalties":
+        kw["presence_penalty"] = 0.5
+    mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if case.endswith("mtp") else {}
+    llm = _llm(max_num_seqs=3, **mtp)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, **kw),
+              SamplingParams(max_tokens=8, ignore_eos=True, **kw),
+              SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0, **kw)]
+    outs = llm.generate(PROMPTS, params)
+    assert outs[1].logprobs is None
+    for out, n_top in ((outs[0], 3), (outs[2], 0)):
+        assert len(out.logprobs) == len(out.token_ids) == 8
+        for got, t, (lp, top) in zip(out.logprobs, out.token_ids, _reference_logprobs(out.prompt_token_ids,
+                                                                                      out.token_ids, n_top)):
+            assert got.token_id == t and abs(got.logprob - lp) < 1e-5, (got, lp)
+            assert [i for i, _ in got.top] == [i for i, _ in top]
+            np.testing.assert_allclose([x for _, x in got.top], [x for _, x in top], atol=1e-5)
+        if case.startswith("greedy"):
+            assert all(got.top == () or got.top[0][0] == got.token_id for got in out.logprobs)
+
+
+def test_logprobs_bad_values():
+    for bad in (-1, 21, 2.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)

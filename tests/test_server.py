@@ -65,6 +65,39 @@ def test_chat_completion_and_stream(client):
     assert text == full["choices"][0]["message"]["content"]
 
 
+def test_completion_logprobs_and_their_stream(client):
+    """Greedy completions with logprobs: one entry per token, the chosen token is its position's most likely, the
+    text offsets follow the token strings, and the stream's chunks carry the same entries; none when not asked."""
+    body = {"prompt": "w3 w4 w5", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    for tok, x, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert x <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(x) and top.get(tok) == pytest.approx(x)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [c for c in events(r) if c != "[DONE]"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum((c["token_logprobs"] for c in streamed), []) == lp["token_logprobs"]
+    assert sum((c["text_offset"] for c in streamed), []) == lp["text_offset"]
+    plain = client.post("/v1/completions", json=body | {"logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["token_ids"] == choice["token_ids"]
+
+
+def test_chat_logprobs(client):
+    body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry["logprob"] <= tops[0] + 1e-6
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        ev = [c for c in events(r)[1:] if c != "[DONE]"]
+    assert sum((c["choices"][0]["logprobs"]["content"] for c in ev if c["choices"][0]["logprobs"]), []) == content
+
+
 @pytest.mark.parametrize(
     "path, body, needle",
     [
@@ -78,6 +111,10 @@ def test_chat_completion_and_stream(client):
         ("/v1/completions", {"prompt": "w3", "temperature": "hot"}, "temperature"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/completions", {"prompt": "w3", "logprobs": 21}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                  "top_logprobs": 30}, "logprobs"),
     ],
 )
 def test_bad_input_is_a_400_with_an_openai_error_object(client, path, body, needle):
