@@ -481,7 +481,7 @@ class Engine:
         if "first_token_time" not in req.metrics:
             req.metrics["first_token_time"] = time.monotonic()
         n_top = req.params.logprobs
-        for t, c in zip(new_tokens, token_cols):
+        for t, c in zip(new_tokens, token_cols, strict=True):
             req.output.append(t)
             if n_top is not None:
                 req.logprobs.append(self._token_logprob(host, r.row, c, t, n_top, on_device, sampled_on_device))
