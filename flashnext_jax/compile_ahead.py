@@ -23,7 +23,6 @@ Two things the H200 run showed (bench/results/engine_step_compile_ahead.json):
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import sys
@@ -51,10 +50,7 @@ def _wait_at_exit():
 # with `atexit` after this module was imported run before any of ours would (weakref.finalize's, multiprocessing's,
 # then jax's clean_up, which clears the backends and caches); with the hook among them, a compile still running
 # failed at exit (KeyError / shape errors while lowering) instead of finishing.
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_wait_at_exit)
-else:  # pragma: no cover - CPython < 3.9
-    atexit.register(_wait_at_exit)
+threading._register_atexit(_wait_at_exit)
 
 
 def abstract(tree: Any) -> Any:

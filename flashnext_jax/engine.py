@@ -66,6 +66,14 @@ class PackedBatch:
     def page_table_width(self) -> int:
         return self.ints.shape[1] - 4 - self.num_tokens
 
+    def abstract_at_width(self, page_table_width: int) -> "PackedBatch":
+        """This batch's types (compile_ahead.abstract) with page tables of another width: what compiling the step
+        for that width needs."""
+        ints = abstract(self.ints)  # the sharding only if the array is committed to a device, as jit sees it
+        ints = jax.ShapeDtypeStruct((ints.shape[0], 4 + self.num_tokens + page_table_width), ints.dtype,
+                                    sharding=ints.sharding)
+        return PackedBatch(ints, abstract(self.host), self.num_tokens)
+
     def unpack(self) -> Batch:
         a, t = self.ints, self.num_tokens
         return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, 4: 4 + t], n_valid=a[:, 2], start=a[:, 3],
@@ -149,13 +157,15 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
     return hit[1], hit[2], hit[3]
 
 
-def _sampling_words(masks: tuple | None) -> str:
-    """How a step shape's sampling part reads in the log (None: no row samples on the device)."""
-    if masks is None:
-        return ""
-    top_k_mode, use_top_p = masks
-    top_k = {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[top_k_mode]
-    return ", sampling on the device" + top_k + (" with top-p" if use_top_p else "")
+def _describe_shape(shape: tuple) -> str:
+    """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs) reads in the log."""
+    b, t, width, masks, logprobs = shape
+    words = f"{b} rows x {t} tokens, page tables of {width} pages"
+    if masks is not None:
+        top_k_mode, use_top_p = masks
+        words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
+            top_k_mode] + (" with top-p" if use_top_p else "")
+    return words + (", with logprobs" if logprobs else "")
 
 
 class HostOutputs:
@@ -298,9 +308,8 @@ class Engine:
                 log.info("waited for the background compile of the engine step for shape %s", shape)
             new_shape = shape not in self._shapes_seen
             if new_shape:
-                log.info("compiling the engine step for %d rows x %d tokens, page tables of %d pages%s (once per "
-                         "shape; about a minute at the real model size)", *shape[:3],
-                         _sampling_words(shape[3]) + (", with logprobs" if logprobs else ""))
+                log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
+                         _describe_shape(shape))
                 t0 = time.perf_counter()
             store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs)
             if new_shape:
@@ -337,13 +346,9 @@ class Engine:
         key = (b, t, wider, masks, logprobs)
 
         def args():
-            ints = abstract(batch.ints)
-            ints = jax.ShapeDtypeStruct((b, 4 + t + wider), ints.dtype, sharding=ints.sharding)
-            wide_batch = PackedBatch(ints, abstract(batch.host), t)
-            return (abstract(self.runner.params), abstract(self.ledger.store), wide_batch, abstract(sampling_inputs),
-                    logprobs)
-        if self._ahead.request(key, args, f"{b} rows x {t} tokens, page tables of {wider} pages"
-                                         f"{_sampling_words(masks)}{', with logprobs' if logprobs else ''}"):
+            return (abstract(self.runner.params), abstract(self.ledger.store), batch.abstract_at_width(wider),
+                    abstract(sampling_inputs), logprobs)
+        if self._ahead.request(key, args, _describe_shape(key)):
             self.counters["compiles_ahead"] += 1
 
     def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:
