@@ -60,7 +60,7 @@ def test_chat_completion_and_stream(client):
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["role"] == "assistant"
     with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
         ev = events(r)
-    assert ev[0]["choices"][0]["delta"] == {"role": "assistant"} and ev[-1] == "[DONE]"
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and ev[-1] == "[DONE]"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in ev[1:-1])
     assert text == full["choices"][0]["message"]["content"]
 

@@ -1,0 +1,190 @@
+"""The server's request bodies (pydantic), with vLLM's and OpenAI's field names.
+
+A field is either honoured or rejected: OpenAI fields this server does not implement are listed in
+UNSUPPORTED_FIELDS and answered with a 400 naming them, and fields no API knows are a 400 as well (a typo must not
+turn into a silently ignored option). Features that land later remove their name from UNSUPPORTED_FIELDS and add
+the field to the request model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flashnext_jax.sampling import SamplingParams
+
+# OpenAI / vLLM request fields that are known but not implemented here: a request that sets one (to anything but
+# null) gets a 400 naming it. Structured outputs (response_format, tools, tool_choice, ...) come from issue 17.
+UNSUPPORTED_FIELDS = frozenset({
+    "echo", "logit_bias", "suffix",
+    "response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "store", "metadata",
+    "service_tier", "logprobs_mode", "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search",
+    "min_tokens", "bad_words", "truncate_prompt_tokens", "allowed_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "length_penalty", "add_special_tokens", "priority",
+})
+# accepted and deliberately without effect on the output (request metadata)
+NO_EFFECT_FIELDS = frozenset({"user"})
+
+
+class _Strict(BaseModel):
+    """Extra fields are collected and rejected by name (see UNSUPPORTED_FIELDS)."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _reject_extra(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in NO_EFFECT_FIELDS or (name in UNSUPPORTED_FIELDS and value is None):
+                continue
+            if name in UNSUPPORTED_FIELDS:
+                raise ValueError(f"the field {name!r} is not supported by this server")
+            raise ValueError(f"unknown field {name!r}")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+        """The request's sampling fields into SamplingParams (which validates them); fields the request leaves
+        out take `defaults` (the model's generation config, vLLM's --generation-config) or SamplingParams'."""
+        names = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {"logprobs"}
+        given = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
+        fields = {k: v for k, v in defaults.items() if k in names} | given
+        return SamplingParams(**fields | {"max_tokens": max_tokens, "logprobs": self.num_logprobs()})
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top logprobs per token, None for none."""
+        return None
+
+
+class CompletionRequest(_Sampling):
+    # one prompt (text or token ids) or a batch of them (texts or token-id lists): one choice per prompt
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # the completions API: n top logprobs per token (0: the chosen token's only)
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of equal to n)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        batch = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        if not batch or any(len(x) == 0 for x in batch):
+            raise ValueError("prompt must not be empty")
+        return batch
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url", "input_image", "image"]
+    image_url: Any = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             "have content: null)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: content parts joined into one string (images: 400),
+        role developer as system (as vLLM does), content null as '' (templates concatenate it)."""
+        content = self.content
+        if isinstance(content, list):
+            if any(isinstance(p, ImagePart) for p in content):
+                raise ValueError("images are not supported: this model reads text only")
+            content = "".join(p.text for p in content)
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        for k in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, k) is not None:
+                msg[k] = getattr(self, k)
+        return msg
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # the chat API: the chosen tokens' logprobs, plus top_logprobs most likely each
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
