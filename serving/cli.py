@@ -1,35 +1,78 @@
-"""`flashnext serve`: the OpenAI-compatible server (uvicorn) over one model."""
+"""`flashnext serve`: the OpenAI-compatible server (uvicorn) over one model, with vLLM's flag names."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 
+# vLLM's generation_config.json keys that become request defaults, by SamplingParams name
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# test-only: make the engine's step raise after this many steps (tests/test_server_fault.py)
+FAULT_AFTER_STEPS_ENV = "FLASHNEXT_TEST_FAULT_AFTER_STEPS"
 
-def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each option's default (argparse's ArgumentDefaultsHelpFormatter also prints '(default: None)'
+    and skips options without help text)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and "(default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_compilation_cache_flag(p) -> None:
+    p.add_argument("--compilation-cache", default=None,
+                   help="directory of JAX's persistent compilation cache, so a restart does not compile the step "
+                        "shapes again (about a minute each at the real model size); default: "
+                        "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flashnext/jax; 'off' disables it")
+
+
+def add_serve_parser(sub, parents=()) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", parents=list(parents),
+                       formatter_class=HelpWithDefaults)
     p.add_argument("--model", help="checkpoint directory (default: the embedded demo model)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens (0 = off)")
-    p.add_argument("--compilation-cache", default=None,
-                   help="directory of JAX's persistent compilation cache, so a restarted server does not compile "
-                        "its step shapes again (about a minute each at the real model size); default: "
-                        "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flashnext/jax; 'off' disables it")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1 routes (default: $VLLM_API_KEY; unset: none)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation / weight dtype")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests in a batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="reuse the state of shared prompt prefixes")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache page size and prefix-snapshot granularity, in tokens")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'')
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="shorthand for --speculative-config with method mtp (0 = off)")
+    p.add_argument("--chat-template", help="chat template: a Jinja file, or the template itself (default: the "
+                                           "model's chat_template.jinja / tokenizer_config.json)")
+    p.add_argument("--generation-config", default="auto",
+                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+                        "'auto' reads the model's generation_config.json, 'vllm' uses none, or a directory holding "
+                        "a generation_config.json")
+    add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def configure_compilation_cache(option: str | None) -> str | None:
     """Turns on JAX's persistent compilation cache (see --compilation-cache); returns the directory or None."""
-    import os
-
     import jax
 
     if option == "off":
@@ -39,6 +82,49 @@ def configure_compilation_cache(option: str | None) -> str | None:
     Path(path).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     return path
+
+
+def generation_defaults(option: str, model_dir: Path) -> dict:
+    """--generation-config: request defaults by SamplingParams name (vLLM reads the same keys)."""
+    if option == "vllm":
+        return {}
+    where = model_dir if option == "auto" else Path(option)
+    f = where / "generation_config.json"
+    if not f.is_file():
+        if option == "auto":
+            return {}
+        raise FileNotFoundError(f"--generation-config {option}: no generation_config.json there")
+    cfg = json.loads(f.read_text())
+    return {ours: cfg[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if cfg.get(theirs) is not None}
+
+
+def speculative_config(args) -> dict | None:
+    if args.speculative_config and args.num_speculative_tokens:
+        raise ValueError("give --speculative-config or --num-speculative-tokens, not both")
+    if args.num_speculative_tokens:
+        return {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+    return args.speculative_config
+
+
+def _chat_template(option: str) -> str:
+    path = Path(option)
+    return path.read_text() if len(option) < 4096 and path.is_file() else option
+
+
+def _inject_fault_for_tests(llm) -> None:
+    """FLASHNEXT_TEST_FAULT_AFTER_STEPS=N (tests only): the engine's step raises from step N on."""
+    after = os.environ.get(FAULT_AFTER_STEPS_ENV)
+    if after is None:
+        return
+    step, count = llm.engine.step, [0]
+
+    def failing_step():
+        count[0] += 1
+        if count[0] > int(after):
+            raise RuntimeError(f"injected engine fault ({FAULT_AFTER_STEPS_ENV}={after})")
+        return step()
+
+    llm.engine.step = failing_step
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -52,12 +138,18 @@ def serve(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else DEMO_MODEL
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    defaults = generation_defaults(args.generation_config, model_dir)
     configure_compilation_cache(args.compilation_cache)
-    spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens} \
-        if args.num_speculative_tokens else None
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              block_size=args.block_size, speculative_config=spec, dtype=args.dtype)
-    app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True)
+              block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype)
+    if args.chat_template:
+        if llm.tokenizer is None:
+            raise ValueError("--chat-template: this model has no tokenizer")
+        llm.tokenizer.chat_template = _chat_template(args.chat_template)
+    _inject_fault_for_tests(llm)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True, api_key=api_key,
+                     generation_defaults=defaults)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
