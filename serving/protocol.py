@@ -31,8 +31,9 @@ NO_EFFECT_FIELDS = frozenset({"user"})
 
 
 class _Strict(BaseModel):
-    """Extra fields are collected and rejected by name (see UNSUPPORTED_FIELDS)."""
-    model_config = ConfigDict(extra="allow")
+    """Extra fields are collected and rejected by name (see UNSUPPORTED_FIELDS); the OpenAPI schema says none are
+    allowed."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     @model_validator(mode="after")
     def _reject_extra(self):

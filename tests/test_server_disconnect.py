@@ -1,0 +1,46 @@
+"""Clients that go away mid-stream: their requests are aborted and their slots and pages freed (read from
+/metrics, the engine's ledger)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from flashnext_jax.llm import LLM
+from serving.app import create_app
+
+from serving_harness import metrics, uvicorn_server, wait_for
+
+
+def _read_then_drop(base: str, i: int) -> int:
+    prompt = [[3 + i % 40, 4], [5, 6 + i % 30]] if i % 5 == 0 else f"w{3 + i % 50} w7"  # some batched
+    body = {"prompt": prompt, "max_tokens": 500, "ignore_eos": True, "stream": True,
+            "logprobs": 2 if i % 3 == 0 else None}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for n, line in enumerate(r.iter_lines()):
+            if n >= 1 + i % 4:  # leave after a few chunks, without reading the rest
+                return n
+    raise AssertionError("the stream ended before the client left")
+
+
+def _disconnects(count: int):
+    llm = LLM("toy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    with uvicorn_server(create_app(llm, "toy")) as base:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: _read_then_drop(base, i), range(count)))
+        idle = wait_for(lambda: (m := metrics(base))["flashnext:slots_used"] == 0 and m["flashnext:pages_used"] == 0
+                        and m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0)
+        assert idle, metrics(base)
+        assert not llm.engine.has_unfinished()
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "w3", "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_100_disconnects_mid_stream_free_every_slot_and_page():
+    _disconnects(100)
+
+
+@pytest.mark.slow
+def test_1000_disconnects_mid_stream_free_every_slot_and_page():
+    _disconnects(1000)
