@@ -41,6 +41,9 @@ class _EngineGauges:
         yield gauge("flashnext:pages_used", "KV-cache pages in use", use["pages_used"])
         yield gauge("flashnext:pages_total", "KV-cache pages", use["pages"])
         yield gauge("flashnext:prefix_snapshots", "Prefix-cache snapshots held", use["snapshots"])
+        # each compiled step program holds an executable (~1,000 memory maps at the real size): the soak test reads it
+        yield gauge("flashnext:step_compilations", "Engine step programs compiled so far (new shapes, and shapes "
+                    "compiled ahead)", len(engine._shapes_seen) + engine.counters["compiles_ahead"])
 
 
 class ServerMetrics:

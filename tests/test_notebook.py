@@ -26,3 +26,16 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
                    resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "acceptance" in outputs and "bytes/slot" in outputs and "drained" in outputs
+
+
+def test_committed_notebook_keeps_its_outputs_streams_and_ends_with_the_internals():
+    """The notebook is committed executed (readers see results without running it), shows `llm.stream`, and keeps
+    engine internals in its last, marked section."""
+    nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.get("outputs") for c in code), [c.source[:40] for c in code if not c.get("outputs")]
+    assert any("llm.stream" in c.source for c in code)
+    marks = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    internals = next(i for i in marks if "internals" in nb.cells[i].source.lower())
+    assert internals == marks[-1]
+    assert all(".engine" not in c.source and "runner" not in c.source for c in nb.cells[:internals])

@@ -141,3 +141,25 @@ def test_engine_fault_reaches_every_in_flight_request_as_a_500():
         r = c.post("/v1/completions", json={"prompt": "w3 w4", "max_tokens": 3})
         assert r.status_code == 500
         assert r.json()["error"]["type"] == "internal_error" and "device lost" in r.json()["error"]["message"]
+
+
+def test_logprob_tokens_carry_their_raw_bytes_and_partial_characters_do_not_collide():
+    """Byte-level tokens of one UTF-8 character (the demo tokenizer splits 'é' and an emoji into bytes): each entry
+    has the token's own bytes (they join back to the text), a `bytes:` string instead of U+FFFD, and two such
+    tokens are two different top_logprobs keys."""
+    from flashnext_jax.api import DEMO_MODEL
+    from flashnext_jax.sampling import TokenLogprob
+    from flashnext_jax.tokenizer import Tokenizer
+    from serving.logprobs import LogprobFormat
+
+    tok = Tokenizer.from_dir(DEMO_MODEL)
+    text = "héllo 🦊"
+    ids = tok.encode(text)
+    lps = [TokenLogprob(i, -1.0, tuple((j, -2.0) for j in ids)) for i in ids]
+    chat = LogprobFormat(tok).chat(lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
+    partial = [e for e in chat if e["token"].startswith("bytes:")]
+    assert len(partial) >= 5 and all("\ufffd" not in e["token"] for e in chat)
+    assert all(e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in e["bytes"]) for e in partial)
+    top = LogprobFormat(tok).completion(lps)["top_logprobs"][0]
+    assert len(top) == len(set(ids))  # one key per distinct token, partial bytes included
