@@ -159,3 +159,62 @@ def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     csum = jnp.cumsum(p, axis=-1)
     idx = jnp.sum(csum <= (u * csum[..., -1])[..., None], axis=-1)  # the first token whose cumulative mass > u
     return jnp.minimum(idx, v - 1).astype(jnp.int32)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "values"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LogitBias:
+    """Per batch row, the request's logit_bias as (ids [B, NB] int32, values [B, NB] float32), padded with
+    (0, 0.0): a few bytes per step instead of a dense [B, V] bias (1 MB per row at the real vocabulary). NB is a
+    power-of-two bucket of the longest bias of the step (engine), so it is part of the step's shape."""
+
+    ids: jax.Array
+    values: jax.Array
+
+    @staticmethod
+    def for_rows(biases: list[dict | None], batch_size: int) -> "LogitBias | None":
+        """biases[b]: row b's {id: bias} or None -> numpy LogitBias (device_put later); None when no row has one."""
+        longest = max((len(b) for b in biases if b), default=0)
+        if not longest:
+            return None
+        nb = max(8, 1 << (longest - 1).bit_length())
+        ids, values = np.zeros((batch_size, nb), np.int32), np.zeros((batch_size, nb), np.float32)
+        for row, bias in enumerate(biases):
+            if bias:
+                ids[row, : len(bias)] = list(bias.keys())
+                values[row, : len(bias)] = list(bias.values())
+        return LogitBias(ids, values)
+
+    def apply(self, logits: jax.Array) -> jax.Array:
+        """logits [B, ..., V] + each row's bias (padding adds 0.0 to token 0)."""
+        b, v = logits.shape[0], logits.shape[-1]
+        dense = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], self.ids].add(self.values)
+        return logits + dense.reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
+
+
+PROMPT_LOGITS_CHUNK = 128  # positions whose full-vocabulary logits exist at once while computing prompt logprobs
+
+
+def prompt_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, n_top: int) -> dict[str, jax.Array]:
+    """Raw log-softmax at every row position, for prompt logprobs: hidden [B, T, ...] (the runner's "hidden"
+    output), logits_of(hidden chunk) -> [B, c, V] logits, targets [B, T] int32 = the prompt token after each
+    position (-1: none). -> "prompt_logprob" [B, T] (the target's logprob; garbage where the target is -1),
+    "prompt_top_ids" / "prompt_top_logprobs" [B, T, n_top]. The logits of PROMPT_LOGITS_CHUNK positions exist at
+    a time (lax.map), not [B, T, V] at once: 8 GB for an 8,192-token chunk at the real vocabulary."""
+    b, t = targets.shape
+    c = min(t, PROMPT_LOGITS_CHUNK)
+    c = c if t % c == 0 else t
+    hs = jnp.moveaxis(hidden.reshape(b, t // c, c, *hidden.shape[2:]), 1, 0)
+    ts = jnp.moveaxis(targets.reshape(b, t // c, c), 1, 0)
+
+    def chunk(args):
+        h, tgt = args
+        x = logits_of(h).astype(jnp.float32)
+        lse = jax.nn.logsumexp(x, axis=-1)
+        top_values, top_ids = jax.lax.top_k(x, min(n_top, x.shape[-1]))
+        chosen = jnp.take_along_axis(x, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+        return chosen - lse, top_ids, top_values - lse[..., None]
+
+    chosen, top_ids, top_lps = jax.lax.map(chunk, (hs, ts))
+    back = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, t, *a.shape[3:])  # noqa: E731
+    return {"prompt_logprob": back(chosen), "prompt_top_ids": back(top_ids), "prompt_top_logprobs": back(top_lps)}

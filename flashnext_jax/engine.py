@@ -19,7 +19,7 @@ import numpy as np
 
 from . import sampling
 from .compile_ahead import CompileAhead, abstract
-from .device_sampling import SamplingInputs, device_sampled, sample_tokens
+from .device_sampling import LogitBias, SamplingInputs, device_sampled, prompt_logprobs, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .tickets import RowTicket, StepTicket
@@ -111,7 +111,7 @@ _JIT: dict[int, tuple[Any, Callable, set, CompileAhead]] = {}  # id(runner) -> (
 # compiled, its background compiler)
 
 
-def with_device_sampling(step: Callable) -> Callable:
+def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
     """runner.step(params, store, batch) plus, computed on the device: for "logits" and "draft_logits" the argmax
     over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"), and the tokens of
     the rows that sample on the device ("logits_sample", device_sampling.py). Greedy rows and device-sampled rows
@@ -119,28 +119,45 @@ def with_device_sampling(step: Callable) -> Callable:
     real vocabulary). A PackedBatch is unpacked here, inside the jitted step. sampling_inputs None (no row samples
     on the device): the step has no sampling code at all (jit traces None and SamplingInputs separately).
 
+    `logit_bias` (device_sampling.LogitBias, None when no row has one) is added to the logits and draft logits
+    the argmax and the device sample choose from; "logits" and "draft_logits" stay raw (the host adds the bias
+    itself where it samples, sampling.apply_logit_bias).
+
     `logprobs` (static: a separate compile, traced only when some row of the step asks for logprobs): also the
     log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob", "logits_sample_logprob") and the
-    MAX_LOGPROBS most likely tokens of every position ("logits_top_ids", "logits_top_logprobs")."""
-    def run(params, store, batch, sampling_inputs=None, logprobs=False):
+    MAX_LOGPROBS most likely tokens of every position ("logits_top_ids", "logits_top_logprobs").
+
+    `prompt_targets` ([B, T] int32, None when no row asks for prompt logprobs): the step runs with
+    all_positions=True and returns the raw logprob of each position's next prompt token and the top
+    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden))."""
+    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
-        store, out = step(params, store, batch)
+        if prompt_targets is None:
+            store, out = step(params, store, batch)
+        else:
+            store, out = step(params, store, batch, all_positions=True)
         out = dict(out)
+        chosen_from = {}
         for name in ("logits", "draft_logits"):
-            out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
-            out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
+            x = out[name] if logit_bias is None else logit_bias.apply(out[name])
+            chosen_from[name] = x
+            out[name + "_argmax"] = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum, as numpy
+            out[name + "_finite"] = jnp.all(jnp.isfinite(x), axis=-1)
         if sampling_inputs is not None:
-            out["logits_sample"] = sample_tokens(out["logits"], sampling_inputs)
+            out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
         if logprobs:
             x = out["logits"].astype(jnp.float32)
             lse = jax.nn.logsumexp(x, axis=-1)
             top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
             out["logits_top_logprobs"] = top_values - lse[..., None]
-            out["logits_argmax_logprob"] = jnp.max(x, axis=-1) - lse
+            taken = lambda ids: jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - lse  # noqa: E731
+            out["logits_argmax_logprob"] = taken(out["logits_argmax"])
             if sampling_inputs is not None:
-                chosen = jnp.take_along_axis(x, out["logits_sample"][..., None], axis=-1)[..., 0]
-                out["logits_sample_logprob"] = chosen - lse
+                out["logits_sample_logprob"] = taken(out["logits_sample"])
+        if prompt_targets is not None:
+            out.update(prompt_logprobs(lambda h: logits_of(params, h), out.pop("hidden"), prompt_targets,
+                                       sampling.MAX_LOGPROBS))
         return store, out
     return run
 
@@ -151,21 +168,24 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
     compiler that compiles shapes before they are needed (compile_ahead.py)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        jitted, shapes = jax.jit(with_device_sampling(runner.step), donate_argnums=(1,), static_argnums=(4,)), set()
+        run = with_device_sampling(runner.step, getattr(runner, "logits", None))
+        jitted, shapes = jax.jit(run, donate_argnums=(1,), static_argnums=(4,)), set()
         hit = (runner, jitted, shapes, CompileAhead(jitted, shapes))
         _JIT[id(runner)] = hit
     return hit[1], hit[2], hit[3]
 
 
 def _describe_shape(shape: tuple) -> str:
-    """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs) reads in the log."""
-    b, t, width, masks, logprobs = shape
+    """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
+    prompt logprobs) reads in the log."""
+    b, t, width, masks, logprobs, bias_width, prompt = shape
     words = f"{b} rows x {t} tokens, page tables of {width} pages"
     if masks is not None:
         top_k_mode, use_top_p = masks
         words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
             top_k_mode] + (" with top-p" if use_top_p else "")
-    return words + (", with logprobs" if logprobs else "")
+    words += f", logit bias of up to {bias_width} tokens" if bias_width else ""
+    return words + (", with logprobs" if logprobs else "") + (", with prompt logprobs" if prompt else "")
 
 
 class HostOutputs:
@@ -266,7 +286,13 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:5]} outside vocab [0, {self.runner.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} outside vocab "
+                             f"[0, {self.runner.vocab_size})")
         req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt)  # entry 0 stays None: the first token has no context
         req.metrics["arrival_time"] = time.monotonic()
         self._arrivals += 1
         self.sched.add(req)
@@ -302,8 +328,10 @@ class Engine:
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             sampling_inputs = self._sampling_inputs(ticket)
             logprobs = any(self.requests[r.request_id].params.logprobs is not None for r in ticket.rows if r.samples)
+            bias, targets = self._logit_bias(ticket), self._prompt_targets(ticket)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
-                     None if sampling_inputs is None else sampling_inputs.masks, logprobs)
+                     None if sampling_inputs is None else sampling_inputs.masks, logprobs,
+                     0 if bias is None else bias.ids.shape[1], targets is not None)
             if self._ahead.wait(shape):
                 log.info("waited for the background compile of the engine step for shape %s", shape)
             new_shape = shape not in self._shapes_seen
@@ -311,7 +339,8 @@ class Engine:
                 log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
                          _describe_shape(shape))
                 t0 = time.perf_counter()
-            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs)
+            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs, bias,
+                                    targets)
             if new_shape:
                 self._shapes_seen.add(shape)
                 log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
@@ -319,7 +348,7 @@ class Engine:
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
             if self.cfg.compile_ahead:
-                self._compile_next_width(shape, batch, sampling_inputs)
+                self._compile_next_width(shape, batch, sampling_inputs, bias, targets)
         elif self.pending:
             self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
             self.counters["bubbles"] += 1
@@ -336,18 +365,19 @@ class Engine:
         self.ledger.flush()
         return updated
 
-    def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs):
+    def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs, bias, targets):
         """After a decode step at page-table width W: have the same step at width 2W compiled in the background
         (once per shape), so that it is ready when a row's context outgrows W."""
-        b, t, width, masks, logprobs = shape
+        b, t, width, *rest = shape
+        logprobs = rest[1]
         if t > self._decode_tokens or width >= self.max_pages_per_row:
             return
         wider = min(2 * width, self.max_pages_per_row)
-        key = (b, t, wider, masks, logprobs)
+        key = (b, t, wider, *rest)
 
         def args():
             return (abstract(self.runner.params), abstract(self.ledger.store), batch.abstract_at_width(wider),
-                    abstract(sampling_inputs), logprobs)
+                    abstract(sampling_inputs), logprobs, abstract(bias), abstract(targets))
         if self._ahead.request(key, args, _describe_shape(key)):
             self.counters["compiles_ahead"] += 1
 
@@ -408,6 +438,26 @@ class Engine:
             return None
         return jax.device_put(SamplingInputs.for_rows(rows, t.batch_size))
 
+    def _logit_bias(self, t: StepTicket) -> LogitBias | None:
+        """The logit_bias of the rows that choose a token this step (None when none has one)."""
+        biases: list = [None] * t.batch_size
+        for r in t.rows:
+            if r.samples:
+                biases[r.row] = self.requests[r.request_id].params.logit_bias
+        bias = LogitBias.for_rows(biases, t.batch_size)
+        return None if bias is None else jax.device_put(bias)
+
+    def _prompt_targets(self, t: StepTicket) -> jax.Array | None:
+        """[B, T] the prompt token after each row position of the requests that ask for prompt logprobs (-1 where
+        none: padding, other rows, positions past the prompt); None when no row needs one."""
+        targets = np.full((t.batch_size, t.num_tokens), -1, np.int32)
+        for r in t.rows:
+            req = self.requests[r.request_id]
+            if req.params.prompt_logprobs is not None:
+                after = req.prompt[r.start + 1: r.start + 1 + r.n]
+                targets[r.row, : len(after)] = after
+        return jax.device_put(targets) if np.any(targets >= 0) else None
+
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""
         seen_slots, seen_pages = set(), set()
@@ -446,6 +496,8 @@ class Engine:
         return updated
 
     def _commit_row(self, req: Request, r: RowTicket, ref, host: HostOutputs):
+        if req.params.prompt_logprobs is not None:
+            self._commit_prompt_logprobs(req, r, host)
         new_tokens: list[int] = []
         token_cols: list[int] = []  # the logits column each new token was chosen from (for its logprob)
         on_device = req.params.device_argmax  # greedy without penalties: the device's argmax is the token
@@ -508,6 +560,19 @@ class Engine:
                 probs = [p if h == d else None for h, d, p in zip(hooked, drafts, probs)]
                 drafts = hooked
             req.drafts, req.draft_probs = list(drafts), list(probs)
+
+    @staticmethod
+    def _commit_prompt_logprobs(req: Request, r: RowTicket, host: HostOutputs):
+        """Prompt positions r.start + 1 .. of this row: the logprob of each prompt token given those before it
+        (entries are set by position: a recompute after a preemption writes the same entries again)."""
+        n_top = req.params.prompt_logprobs
+        for j in range(min(r.n, len(req.prompt) - 1 - r.start)):
+            pos = r.start + 1 + j
+            ids = host["prompt_top_ids"][r.row, j, :n_top]
+            lps = host["prompt_top_logprobs"][r.row, j, :n_top]
+            req.prompt_logprobs[pos] = sampling.TokenLogprob(
+                req.prompt[pos], float(host["prompt_logprob"][r.row, j]),
+                tuple((int(i), float(x)) for i, x in zip(ids, lps)))
 
     @staticmethod
     def _token_logprob(host: HostOutputs, row: int, col: int, token: int, n_top: int, on_device: bool,

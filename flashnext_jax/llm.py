@@ -37,6 +37,9 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
     delta_logprobs: list[TokenLogprob] | None = None
+    # one per prompt token when SamplingParams.prompt_logprobs is set: None for the first, then each token's
+    # logprob given the tokens before it and the prompt_logprobs most likely at that position
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Tokenizer | None]:
@@ -164,7 +167,8 @@ class LLM:
         return RequestOutput(rid, self._prompts.get(rid), list(req.prompt), text, list(req.output), req.finished,
                              req.finish_reason, m, text[n_txt:], list(req.output[n_tok:]), req.error,
                              list(req.logprobs) if wants_logprobs else None,
-                             list(req.logprobs[n_tok:]) if wants_logprobs else None)
+                             list(req.logprobs[n_tok:]) if wants_logprobs else None,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
     # ---- offline
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

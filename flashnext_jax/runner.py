@@ -99,8 +99,13 @@ class RealRunner:
         self._ple_width = out.shape[-1]
         return {"ple_rows": out}
 
+    # ---- protocol: logits of any position (prompt logprobs)
+    def logits(self, params, hidden):
+        """The step's "hidden" output [..., S*H] (the pre-final-mixer hyper state) -> fp32 logits [..., V]."""
+        return final_logits(params, self.cfg, hidden.astype(self.dtype))
+
     # ---- protocol: the pure step
-    def step(self, params, store, batch):
+    def step(self, params, store, batch, all_positions: bool = False):
         cfg, k, dt = self.cfg, self.k, self.dtype
         B, T = batch.tokens.shape
         K1 = next(iter(store.slot.values())).shape[1]
@@ -171,7 +176,10 @@ class RealRunner:
         if in_place:
             store = dataclasses.replace(store, slot={**store.slot, "gdn_rec": rec.leaf})
         store = write_slots(store, batch.slot, live, cols, written_in_place=("gdn_rec",) if in_place else ())
-        return store, {"logits": logits, "draft_logits": dlogits}
+        out = {"logits": logits, "draft_logits": dlogits}
+        if all_positions:  # every position's hyper state, for logits at every prompt position (self.logits)
+            out["hidden"] = hyper
+        return store, out
 
     def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L):
         """MTP: fold this step's pairs (h_{q-1}, e_q) into the MTP cache (page position q, RoPE position q - 1) and

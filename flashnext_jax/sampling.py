@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (OpenAI's limit); the step computes this many
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100] (vLLM, OpenAI)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; n: each output token's logprob and the n most likely (n <= 20)
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first: None) and top n
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit before any other processing
 
     def __post_init__(self):
         def bad(field, why):
@@ -78,10 +81,31 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        object.__setattr__(self, "logit_bias", self._checked_bias(bad))
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
             bad("stop_token_ids", "must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    def _checked_bias(self, bad) -> Mapping[int, float] | None:
+        """logit_bias as a fresh {int id: float clamped to [-100, 100]} (None when empty; a plain dict, so params
+        still pickle). Ids are checked against the vocabulary by the engine, which knows it."""
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, Mapping):
+            bad("logit_bias", "must be a mapping of token id -> bias")
+        out = {}
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 0:
+                bad("logit_bias", f"key {t!r} is not a non-negative token id")
+            if not isinstance(b, (int, float, np.number)) or isinstance(b, bool) or not np.isfinite(b):
+                bad("logit_bias", f"the bias of token {t} must be a finite number, got {b!r}")
+            out[int(t)] = float(np.clip(b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT))
+        return out or None
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +140,17 @@ def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
 
 def _rng(params: SamplingParams, index: int, purpose: int) -> np.random.Generator:
     return np.random.default_rng([params.seed or 0, index, purpose])
+
+
+def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits + logit_bias (float64 where a bias applies; the logits themselves, no copy, when none does). The
+    first of the processing steps, as in vLLM: penalties, temperature and the masks see the biased logits."""
+    if not params.logit_bias:
+        return logits
+    x = logits.astype(np.float64)  # a copy
+    ids = np.fromiter(params.logit_bias.keys(), np.int64)
+    x[..., ids] += np.fromiter(params.logit_bias.values(), np.float64)
+    return x
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_prompt: int) -> np.ndarray:
@@ -196,7 +231,7 @@ def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 def sample(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], num_out: int, rid: str = "?") -> int:
     _check_finite(logits, rid)
-    x = apply_penalties(logits, params, tokens, len(tokens) - num_out)
+    x = apply_penalties(apply_logit_bias(logits, params), params, tokens, len(tokens) - num_out)
     if params.greedy:  # the argmax of the one-hot distribution probs_from_logits would build
         return int(np.argmax(x))
     return _draw(probs_from_logits(x, params), _rng(params, num_out, 0))
@@ -206,6 +241,7 @@ def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: Sam
            num_out: int, rid: str = "?") -> tuple[int, list[int]]:
     """target [nd + 1, V]: logits predicting drafts[0..nd-1] and the bonus. -> (accepted drafts m, m + 1 tokens)."""
     _check_finite(target, rid)
+    target = apply_logit_bias(target, params)
     num_prompt = len(tokens) - num_out
     hist = list(tokens)
     out: list[int] = []
@@ -257,6 +293,7 @@ def propose_argmax(argmax: np.ndarray, finite: np.ndarray, rid: str = "?"):
 def propose(draft_logits: np.ndarray, params: SamplingParams, num_out: int, rid: str = "?"):
     """Draft tokens from the MTP head's logits [nd, V] -> (tokens, q per token or None when greedy)."""
     _check_finite(draft_logits, rid)
+    draft_logits = apply_logit_bias(draft_logits, params)  # the proposals come from the biased draft distribution
     if params.greedy:
         return [int(np.argmax(r)) for r in draft_logits], [None] * len(draft_logits)
     toks, qs = [], []

@@ -29,6 +29,7 @@ class Request:
     arrival: int
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprob per output token, if params.logprobs
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt position (entry 0 None), if params.prompt_logprobs
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -200,7 +201,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> RowPlan | None:
         hit: SnapEntry | None = None
-        if self.cfg.enable_prefix_caching:
+        # a request asking for prompt logprobs computes every prompt position (vLLM skips the prefix cache too)
+        if self.cfg.enable_prefix_caching and getattr(req.params, "prompt_logprobs", None) is None:
             # with kept drafts the last token must stay uncomputed (it is verified together with them)
             hit = self.ledger.lookup(req.tokens[:-1] if req.drafts else req.tokens, self.cfg.block_size)
         start = len(hit.tokens) if hit else 0

@@ -181,8 +181,12 @@ class ToyRunner:
                 ctx.append(x)
         return {"ngram_rows": g}
 
+    def logits(self, params, hidden):
+        """The step's "hidden" output (the head value h of each position) -> float logits [..., V]."""
+        return logits_row(self.cfg, hidden, jnp)
+
     # -- the pure step
-    def step(self, params, store, batch):
+    def step(self, params, store, batch, all_positions: bool = False):
         cfg, k = self.cfg, self.k
         L = cfg.num_layers
         B, T = batch.tokens.shape
@@ -233,7 +237,10 @@ class ToyRunner:
         else:
             dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
         dlogits = jnp.where(bad[:, None, None, None], jnp.nan, dlogits)
-        return store, {"logits": logits, "draft_logits": dlogits}
+        out = {"logits": logits, "draft_logits": dlogits}
+        if all_positions:  # h after each row token [B, T] (the state after token t predicts token t + 1)
+            out["hidden"] = head(cfg, [states[0][..., l] for l in range(L)], states[3]).T
+        return store, out
 
     def _draft(self, params, rec, conv, ctx, att, matt, y):
         cfg, L = self.cfg, self.cfg.num_layers
