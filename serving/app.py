@@ -196,8 +196,10 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest):
         server.check_model(body.model)
-        prompts = [server.encode(p) for p in body.prompts()]
-        return await Generation(server, body, prompts, chat=False).respond()
+        raw = body.prompts()
+        prompts = [server.encode(p) for p in raw]
+        texts = [p if isinstance(p, str) else server.needs_tokenizer().decode(p) for p in raw] if body.echo else None
+        return await Generation(server, body, prompts, chat=False, prompt_texts=texts).respond()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatRequest):

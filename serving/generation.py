@@ -31,8 +31,12 @@ def _sse(body: dict | str) -> str:
 
 
 class Generation:
-    def __init__(self, server, body: protocol._Sampling, prompts: list[list[int]], *, chat: bool):
+    def __init__(self, server, body: protocol._Sampling, prompts: list[list[int]], *, chat: bool,
+                 prompt_texts: list[str] | None = None):
+        """`prompt_texts`: the prompts as text, for completions' echo."""
         self.server, self.body, self.prompts, self.chat = server, body, prompts, chat
+        self.echo = getattr(body, "echo", False)
+        self.prompt_texts = prompt_texts
         requested = body.requested_max_tokens()
         self.params = [body.sampling_params(server.max_tokens(len(p), requested), server.defaults) for p in prompts]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -83,14 +87,26 @@ class Generation:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": out.text},
                     "logprobs": fmt.chat(out.logprobs), "finish_reason": out.finish_reason}
-        return {"index": index, "text": out.text, "token_ids": out.token_ids,
-                "logprobs": fmt.completion(out.logprobs), "finish_reason": out.finish_reason}
+        if self.echo:  # the prompt first: text offsets run on from it
+            text, lps = self._echoed(index, fmt, out, "", None)
+            done = fmt.completion(out.logprobs)
+            text, lps = text + out.text, done if lps is None else fmt.joined(lps, done)
+        else:
+            text, lps = out.text, fmt.completion(out.logprobs)
+        return {"index": index, "text": text, "token_ids": out.token_ids, "logprobs": lps,
+                "finish_reason": out.finish_reason}
+
+    def _echoed(self, index: int, fmt: LogprobFormat, out, text: str, lps: dict | None):
+        """echo: the prompt's text (and, with logprobs, its tokens' logprobs) before the completion's."""
+        if lps is not None or out.logprobs is not None:
+            lps = fmt.joined(fmt.prompt(out.prompt_token_ids, out.prompt_logprobs), lps)
+        return self.prompt_texts[index] + text, lps
 
     async def _stream(self, first, outputs) -> AsyncIterator[str]:
         n = len(self.prompts)
         texts = [TextDeltas(sp.stop) for sp in self.params]
         fmts = [LogprobFormat(self.server.tokenizer) for _ in range(n)]
-        sent_tokens, last = [0] * n, {}
+        sent_tokens, last, echoed = [0] * n, {}, [False] * n
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
@@ -108,8 +124,18 @@ class Generation:
                 choice = {"index": i, "delta": {"content": text}, "logprobs": fmts[i].chat(lp),
                           "finish_reason": finish}
             else:
-                choice = {"index": i, "text": text, "token_ids": ids, "logprobs": fmts[i].completion(lp),
-                          "finish_reason": finish}
+                if self.echo and not echoed[i]:  # the first chunk carries the prompt
+                    echoed[i] = True
+                    prompt = LogprobFormat(self.server.tokenizer)
+                    head_text, head_lps = self._echoed(i, prompt, out, "", None)
+                    fmts[i].offset = prompt.offset
+                    lps = fmts[i].completion(lp)
+                    choice = {"index": i, "text": head_text + text, "token_ids": ids,
+                              "logprobs": lps if head_lps is None else LogprobFormat.joined(head_lps, lps),
+                              "finish_reason": finish}
+                else:
+                    choice = {"index": i, "text": text, "token_ids": ids, "logprobs": fmts[i].completion(lp),
+                              "finish_reason": finish}
             return _sse(self._envelope(obj, [choice]) | extra)
 
         try:

@@ -77,6 +77,23 @@ class LogprobFormat:
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
                 "top_logprobs": [{text(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
 
+    def prompt(self, ids, lps) -> dict:
+        """The prompt's tokens in the completions format (echo): `lps` from RequestOutput.prompt_logprobs, whose
+        first entry is None (the first token has no context), as OpenAI and vLLM write it."""
+        text = self.tokens.text
+        tokens = [text(t) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self.offset)
+            self.offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": [None if lp is None else {text(i): x for i, x in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    @staticmethod
+    def joined(first: dict, then: dict | None) -> dict:
+        return first if then is None else {k: first[k] + then[k] for k in first}
+
     def chat(self, lps) -> dict | None:
         if lps is None:
             return None

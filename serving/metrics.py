@@ -10,8 +10,19 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+import jax
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+_xla_compiles = [0]
+
+
+def _count_compile(event: str, _duration: float, **_kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # every executable built (or read from the cache)
+        _xla_compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -44,6 +55,8 @@ class _EngineGauges:
         # each compiled step program holds an executable (~1,000 memory maps at the real size): the soak test reads it
         yield gauge("flashnext:step_compilations", "Engine step programs compiled so far (new shapes, and shapes "
                     "compiled ahead)", len(engine._shapes_seen) + engine.counters["compiles_ahead"])
+        yield gauge("flashnext:xla_compilations", "XLA executables this process built or loaded from the cache "
+                    "(step programs and every other jitted function)", _xla_compiles[0])
 
 
 class ServerMetrics:

@@ -18,7 +18,7 @@ from flashnext_jax.sampling import SamplingParams
 # OpenAI / vLLM request fields that are known but not implemented here: a request that sets one (to anything but
 # null) gets a 400 naming it. Structured outputs (response_format, tools, tool_choice, ...) come from issue 17.
 UNSUPPORTED_FIELDS = frozenset({
-    "echo", "logit_bias", "suffix",
+    "echo", "suffix",  # echo: completions only
     "response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "store", "metadata",
@@ -68,6 +68,7 @@ class _Sampling(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -81,10 +82,24 @@ class _Sampling(_Strict):
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
         """The request's sampling fields into SamplingParams (which validates them); fields the request leaves
         out take `defaults` (the model's generation config, vLLM's --generation-config) or SamplingParams'."""
-        names = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {"logprobs"}
+        names = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {
+            "logprobs", "logit_bias"}
         given = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
         fields = {k: v for k, v in defaults.items() if k in names} | given
-        return SamplingParams(**fields | {"max_tokens": max_tokens, "logprobs": self.num_logprobs()})
+        return SamplingParams(**fields | {"max_tokens": max_tokens, "logprobs": self.num_logprobs(),
+                                          "logit_bias": self.token_bias(), **self.extra_params()})
+
+    def token_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}") from None
+
+    def extra_params(self) -> dict:
+        """Further SamplingParams fields this API sets."""
+        return {}
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many top logprobs per token, None for none."""
@@ -96,6 +111,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the completions API: n top logprobs per token (0: the chosen token's only)
     best_of: int | None = None
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' logprobs too)
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -112,6 +128,9 @@ class CompletionRequest(_Sampling):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def extra_params(self) -> dict:
+        return {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
 
 
 class TextPart(_Strict):

@@ -70,13 +70,17 @@ def serve_process(*args: str, env: dict | None = None, timeout: float = 600):
     finally:
         if proc.poll() is None:
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # graceful shutdown waits for requests still in flight
+                proc.kill()
+                proc.wait(timeout=30)
         log.close()
 
 
-def metrics(base: str) -> dict[str, float]:
+def metrics(base: str, timeout: float = 30) -> dict[str, float]:
     """/metrics as {sample name: value} (labels dropped: one model per server)."""
-    text = httpx.get(base + "/metrics", timeout=30).text
+    text = httpx.get(base + "/metrics", timeout=timeout).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

@@ -143,8 +143,8 @@ def test_max_tokens_beyond_the_context_is_a_400(client):
     assert complete(client, prompt="w3 w4", max_tokens=510).usage.completion_tokens == 510
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "w3"), ("echo", True), ("logit_bias", {"3": 5}),
-                                          ("best_of", 2), ("n", 2), ("user_typo_field", 1)])
+@pytest.mark.parametrize("field, value", [("suffix", "w3"), ("best_of", 2), ("n", 2), ("user_typo_field", 1),
+                                          ("prompt_logprobs", 1), ("logit_bias", {"x": 1})])
 def test_unsupported_completion_fields_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, prompt="w3", max_tokens=2, extra_body={field: value})
@@ -153,7 +153,7 @@ def test_unsupported_completion_fields_are_a_400_naming_them(client, field, valu
 
 @pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}),
                                           ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("logit_bias", {"3": 1})])
+                                          ("tool_choice", "auto"), ("echo", True)])
 def test_unsupported_chat_fields_are_a_400_naming_them(client, field, value):
     assert field in UNSUPPORTED_FIELDS
     with pytest.raises(openai.BadRequestError) as e:
@@ -185,3 +185,27 @@ def test_streamed_text_equals_non_streamed_text_for_any_stop_strings(client, see
     assert chunks[-1].choices[0].finish_reason == full.finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert not any(s in full.text for s in stop) and free.startswith(full.text)
+
+
+def test_logit_bias_steers_greedy_decoding(client):
+    free = complete(client, prompt="w3 w4", max_tokens=6).choices[0].token_ids
+    forced = complete(client, prompt="w3 w4", max_tokens=6, logit_bias={"17": 100}).choices[0]
+    assert forced.token_ids == [17] * 6 and free != [17] * 6
+    banned = complete(client, prompt="w3 w4", max_tokens=6, logit_bias={str(free[0]): -100}).choices[0].token_ids
+    assert banned[0] != free[0]
+    chat_forced = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "w3"}],
+                                                 max_tokens=3, temperature=0.9, seed=1, logit_bias={"9": 100},
+                                                 extra_body={"ignore_eos": True})
+    assert chat_forced.choices[0].message.content == "w9 w9 w9"
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, prompt="w3", max_tokens=2, logit_bias={"100000": 1})
+    assert "logit_bias" in e.value.body["message"]
+
+
+def test_echo_returns_the_prompt_before_the_completion(client):
+    plain = complete(client, prompt="w3 w4", max_tokens=3).choices[0]
+    echoed = complete(client, prompt="w3 w4", max_tokens=3, echo=True).choices[0]
+    assert echoed.text == "w3 w4" + plain.text and echoed.logprobs is None
+    streamed = "".join(c.choices[0].text for c in complete(client, prompt="w3 w4", max_tokens=3, echo=True,
+                                                             stream=True))
+    assert streamed == echoed.text

@@ -120,10 +120,11 @@ def _soak(seconds: float, serve_args: list[str], vocab: int, toy: bool, workers:
         threads = [threading.Thread(target=t.run) for t in traffic]
         for t in threads:
             t.start()
-        samples = []  # (seconds since start, maps, rss KiB, compiled step shapes)
+        samples = []  # (seconds since start, maps, rss KiB, XLA compilations so far)
         while any(t.is_alive() for t in threads):
             assert proc.poll() is None, f"server died with exit code {proc.returncode}"
-            shapes = metrics(base)["flashnext:step_compilations"]
+            # (a scrape may wait while a compile holds the GIL on a loaded machine)
+            shapes = metrics(base, timeout=300)["flashnext:xla_compilations"]
             samples.append((time.time() - start, *_proc_usage(proc.pid), shapes))
             time.sleep(2 if toy else 10)
         for t in threads:
@@ -143,7 +144,7 @@ def _soak(seconds: float, serve_args: list[str], vocab: int, toy: bool, workers:
                         "end": samples[-1][1]},
                "rss_kib": {"first_half_max": max(s[2] for s in first), "second_half_max": max(s[2] for s in half),
                            "end": samples[-1][2]},
-               "step_compilations": {"first_half_max": max(s[3] for s in first), "end": samples[-1][3]},
+               "xla_compilations": {"first_half_max": max(s[3] for s in first), "end": samples[-1][3]},
                "maps_growth_without_new_shapes": _growth_without_compiles(samples, 1),
                "rss_kib_growth_without_new_shapes": _growth_without_compiles(samples, 2),
                "slots_used_after": idle["flashnext:slots_used"], "pages_used_after": idle["flashnext:pages_used"],
