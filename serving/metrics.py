@@ -14,15 +14,21 @@ import jax
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-_xla_compiles = [0]
+_xla = {"started": 0, "finished": 0}
 
 
-def _count_compile(event: str, _duration: float, **_kw) -> None:
+def _compile_started(event: str, **_kw) -> None:
+    if event == "/jax/compilation_cache/compile_requests_use_cache":  # (recorded while the persistent cache is on)
+        _xla["started"] += 1
+
+
+def _compile_finished(event: str, _duration: float, **_kw) -> None:
     if event == "/jax/core/compile/backend_compile_duration":  # every executable built (or read from the cache)
-        _xla_compiles[0] += 1
+        _xla["finished"] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
+jax.monitoring.register_event_listener(_compile_started)
+jax.monitoring.register_event_duration_secs_listener(_compile_finished)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -56,7 +62,9 @@ class _EngineGauges:
         yield gauge("flashnext:step_compilations", "Engine step programs compiled so far (new shapes, and shapes "
                     "compiled ahead)", len(engine._shapes_seen) + engine.counters["compiles_ahead"])
         yield gauge("flashnext:xla_compilations", "XLA executables this process built or loaded from the cache "
-                    "(step programs and every other jitted function)", _xla_compiles[0])
+                    "(step programs and every other jitted function)", _xla["finished"])
+        yield gauge("flashnext:xla_compilations_in_progress", "XLA compilations under way (counted while the "
+                    "persistent compilation cache is on)", max(0, _xla["started"] - _xla["finished"]))
 
 
 class ServerMetrics:

@@ -120,12 +120,13 @@ def _soak(seconds: float, serve_args: list[str], vocab: int, toy: bool, workers:
         threads = [threading.Thread(target=t.run) for t in traffic]
         for t in threads:
             t.start()
-        samples = []  # (seconds since start, maps, rss KiB, XLA compilations so far)
+        samples = []  # (seconds since start, maps, rss KiB, XLA compilations done, under way)
         while any(t.is_alive() for t in threads):
             assert proc.poll() is None, f"server died with exit code {proc.returncode}"
             # (a scrape may wait while a compile holds the GIL on a loaded machine)
-            shapes = metrics(base, timeout=300)["flashnext:xla_compilations"]
-            samples.append((time.time() - start, *_proc_usage(proc.pid), shapes))
+            m = metrics(base, timeout=300)
+            compiles = (m["flashnext:xla_compilations"], m["flashnext:xla_compilations_in_progress"])
+            samples.append((time.time() - start, *_proc_usage(proc.pid), *compiles))
             time.sleep(2 if toy else 10)
         for t in threads:
             t.join()
@@ -167,10 +168,10 @@ def _soak(seconds: float, serve_args: list[str], vocab: int, toy: bool, workers:
 
 
 def _growth_without_compiles(samples: list[tuple], column: int) -> float:
-    """Total growth of samples[i][column] over the intervals i -> i+1 with no compilation from sample i-1 to i+2
-    (a compile under way at a sample registers at the next one)."""
-    return sum(max(0, samples[i + 1][column] - samples[i][column]) for i in range(1, len(samples) - 2)
-               if samples[i - 1][3] == samples[i + 2][3])
+    """Total growth of samples[i][column] over the intervals i -> i+1 in which no XLA compilation ran (none under
+    way at either end, none finished in between)."""
+    return sum(max(0, b[column] - a[column]) for a, b in zip(samples, samples[1:])
+               if a[3] == b[3] and a[4] == b[4] == 0)
 
 
 def _version(name: str) -> str:
