@@ -51,3 +51,50 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path):
         proc = run(*args)
         assert proc.returncode != 0
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:"), proc.stderr
+
+
+def test_generate_uses_the_compilation_cache_and_compiles_nothing_ahead(tmp_path):
+    """`generate` writes JAX's persistent cache (--compilation-cache DIR) like `serve`, and starts no background
+    compile (so it never waits for one at exit); -v after the subcommand turns the engine log on."""
+    cache = tmp_path / "cache"
+    proc = run("generate", "--token-ids", "5,6,7", "--max-new-tokens", "3", "--dtype", "float32",
+               "--compilation-cache", str(cache), "-v")
+    assert proc.returncode == 0, proc.stderr
+    assert any(cache.iterdir()), "no compiled program was written to the cache"
+    assert "compiling the engine step" in proc.stderr  # the engine's log (-v)
+    assert "background compile" not in proc.stderr
+
+
+def test_cli_flags_parse_like_vllm():
+    from flashnext_jax.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["generate", "--token-ids", "1", "-v"]).verbose
+    assert p.parse_args(["-v", "generate", "--token-ids", "1"]).verbose
+    assert not p.parse_args(["generate", "--token-ids", "1"]).verbose
+    args = p.parse_args(["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+                         "--api-key", "k", "--served-model-name", "m", "--max-model-len", "64",
+                         "--generation-config", "vllm", "--chat-template", "{{ messages }}", "-v"])
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 1} and args.api_key == "k"
+    assert args.verbose and args.served_model_name == "m" and args.max_model_len == 64
+
+
+def test_help_shows_defaults_and_bad_flags_are_one_line_errors():
+    help_text = run("serve", "--help").stdout
+    for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: auto)", "(default: 512)"):
+        assert default in " ".join(help_text.split()), default
+    assert "(default: None)" not in help_text
+    assert "(default: 32)" in " ".join(run("generate", "--help").stdout.split())
+    proc = run("generate", "--prompt", "")
+    assert proc.returncode != 0 and proc.stderr.strip() == "error: --prompt must not be empty"
+
+
+def test_generation_config_defaults(tmp_path):
+    from serving.cli import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, '
+                                                     '"max_new_tokens": 99, "do_sample": true}')
+    assert generation_defaults("auto", tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                     "max_tokens": 99}
+    assert generation_defaults("vllm", tmp_path) == {}
+    assert generation_defaults(str(tmp_path), tmp_path / "elsewhere")["top_k"] == 20
