@@ -19,6 +19,8 @@ import numpy as np
 
 from . import sampling
 from .compile_ahead import CompileAhead, abstract
+from .step_cache import StepCache
+from .page_pool import device_memory, size_pool
 from .device_sampling import LogitBias, SamplingInputs, device_sampled, prompt_logprobs, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
@@ -107,8 +109,8 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple[Any, Callable, set, CompileAhead]] = {}  # id(runner) -> (runner, jitted step, shapes
-# compiled, its background compiler)
+_JIT: dict[int, tuple[Any, StepCache, CompileAhead]] = {}  # id(runner) -> (runner, its compiled steps, their
+# background compiler)
 
 
 def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -162,17 +164,16 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     return run
 
 
-def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
-    """The runner's jitted step (one per runner, shared by its engines), the set of input shapes compiled for it
-    (a new shape compiles: about a minute at the real model size, so the engine logs it) and the background
-    compiler that compiles shapes before they are needed (compile_ahead.py)."""
+def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
+    """The runner's compiled steps by shape (one StepCache per runner, shared by its engines; a new shape compiles:
+    about a minute at the real model size, so the engine logs it) and the background compiler that compiles shapes
+    before they are needed (compile_ahead.py)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        run = with_device_sampling(runner.step, getattr(runner, "logits", None))
-        jitted, shapes = jax.jit(run, donate_argnums=(1,), static_argnums=(4,)), set()
-        hit = (runner, jitted, shapes, CompileAhead(jitted, shapes))
+        steps = StepCache(with_device_sampling(runner.step, getattr(runner, "logits", None)), 32)
+        hit = (runner, steps, CompileAhead(steps.compile, steps.__contains__))
         _JIT[id(runner)] = hit
-    return hit[1], hit[2], hit[3]
+    return hit[1], hit[2]
 
 
 def _describe_shape(shape: tuple) -> str:
@@ -223,7 +224,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     block_size: int = 16  # prefix-snapshot granularity
     page_size: int = 16  # KV page size
-    num_pages: int | None = None  # default: enough for max_num_seqs full sequences
+    num_pages: int | None = None  # default: sized from the device memory left (page_pool.py)
+    gpu_memory_utilization: float = 0.9  # the fraction of device memory the engine may use (vLLM's meaning)
     num_slots: int | None = None  # default: max_num_seqs
     num_snapshots: int = 64
     pipeline_delay: int = 0  # D: a step's sample+commit runs D engine steps after it was launched
@@ -235,6 +237,9 @@ class EngineConfig:
     # compile the decode step for the next page-table width in the background while decoding at a width, so a
     # request whose context outgrows its width does not stall every request for a compile (compile_ahead.py)
     compile_ahead: bool = True
+    # compiled step executables kept (least recently used dropped beyond): each maps ~1,000 memory regions, and
+    # vm.max_map_count (65,530) ended a server that kept ~60 (step_cache.py)
+    max_compiled_steps: int = 32
 
 
 class Engine:
@@ -251,9 +256,9 @@ class Engine:
             raise ValueError(f"max_model_len {mml} exceeds the model's {runner.max_model_len}")
         slots = cfg.num_slots or cfg.max_num_seqs
         mp = -(-mml // cfg.page_size)
-        pages = cfg.num_pages or mp * slots + 2 * mp
-        self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.K1 = runner.k + 1
+        pages = cfg.num_pages or self._size_pool(runner.store_spec(), cfg, slots, mml)
+        self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.max_pages_per_row = _bucket(mp)
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
@@ -261,7 +266,8 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size), self.ledger)
-        self._step, self._shapes_seen, self._ahead = jitted_step(runner)
+        self._steps, self._ahead = jitted_step(runner)
+        self._steps.set_limit(cfg.max_compiled_steps)
         # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
         # that run at every width as a context grows, so the ones compiled ahead
         self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
@@ -274,6 +280,20 @@ class Engine:
         self.counters = collections.Counter()
         self._bug_row_addressed_commit = False  # mutation-test knob: reproduces the incident's addressing bug
         self._last_rows: list[tuple] = []
+
+    def _size_pool(self, spec: StoreSpec, cfg: EngineConfig, slots: int, mml: int) -> int:
+        pool = size_pool(spec, cfg.page_size, slots, cfg.num_snapshots, self.K1, mml, cfg.gpu_memory_utilization,
+                         device_memory())
+        tokens = pool.num_pages * cfg.page_size
+        log.info("KV page pool: %s; at most %.2f concurrent sequences of max_model_len %d", pool.describe(
+            cfg.page_size), tokens / mml, mml)
+        if tokens < mml:
+            log.warning("the KV page pool holds %d tokens, less than max_model_len %d: longer requests are refused",
+                        tokens, mml)
+        if pool.num_pages < 1:
+            raise ValueError(f"no device memory left for the KV page pool ({pool.source}); lower the model size or "
+                             f"raise gpu_memory_utilization ({cfg.gpu_memory_utilization})")
+        return pool.num_pages
 
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
@@ -334,15 +354,15 @@ class Engine:
                      0 if bias is None else bias.ids.shape[1], targets is not None)
             if self._ahead.wait(shape):
                 log.info("waited for the background compile of the engine step for shape %s", shape)
-            new_shape = shape not in self._shapes_seen
+            new_shape = shape not in self._steps
             if new_shape:
                 log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
                          _describe_shape(shape))
                 t0 = time.perf_counter()
-            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs, bias,
-                                    targets)
+            store, out = self._steps.call(shape, (self.runner.params, self.ledger.store, batch, sampling_inputs,
+                                                  logprobs, bias, targets))
             if new_shape:
-                self._shapes_seen.add(shape)
+                self.counters["compiles"] += 1
                 log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
             self.ledger.store = store
             self.pending.append((ticket, out))

@@ -14,8 +14,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step (the prefill chunk size); default 8192, vLLM's")
+    p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the device memory the engine may use; the KV page pool gets what the weights "
+                        "leave of it (on the CPU: see docs/engine-design.md)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens (0 = off)")
@@ -57,7 +61,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.num_speculative_tokens else None
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              block_size=args.block_size, speculative_config=spec, dtype=args.dtype)
+              block_size=args.block_size, speculative_config=spec, dtype=args.dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
