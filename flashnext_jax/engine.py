@@ -295,6 +295,53 @@ class Engine:
                              f"raise gpu_memory_utilization ({cfg.gpu_memory_utilization})")
         return pool.num_pages
 
+    # ---- compiling ahead of traffic
+    def decode_shapes(self) -> list[tuple]:
+        """The greedy decode step shapes this engine can launch (every row bucket x the decode token bucket x every
+        page-table width): the steps that run at every width as contexts grow, so the ones precompiled."""
+        rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
+        first = _bucket(max(1, self.cfg.min_batch_bucket))
+        widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
+        return [(b, self._decode_tokens, w, None, False, 0, False)
+                for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
+
+    def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
+        """Compile the step for `shapes` (default: decode_shapes()) now, with a progress bar, so that requests of
+        those shapes compile nothing (with JAX's persistent compilation cache configured, a restart reads them
+        from disk). Returns how many were compiled."""
+        from tqdm import tqdm
+
+        shapes = list(self.decode_shapes() if shapes is None else shapes)
+        if len(shapes) > self._steps.limit:
+            log.warning("precompiling %d step shapes, more than max_compiled_steps %d: keeping all of them",
+                        len(shapes), self._steps.limit)
+            self._steps.set_limit(len(shapes))
+        todo = [s for s in shapes if s not in self._steps]
+        log.info("precompiling %d engine step shapes (%d compiled already)", len(todo), len(shapes) - len(todo))
+        t0 = time.perf_counter()
+        for shape in tqdm(todo, desc="compiling engine steps", unit=" shapes", disable=not progress):
+            log.info("compiling the engine step for %s", _describe_shape(shape))
+            self._steps.compile(shape, self._abstract_args(shape))
+        log.info("precompiled %d engine step shapes in %.1f s", len(todo), time.perf_counter() - t0)
+        return len(todo)
+
+    def _abstract_args(self, shape: tuple) -> tuple:
+        """The step's argument types for a shape key, built the way a step builds its arguments (so the types and
+        device placements are the ones a real step of that shape has)."""
+        b, t, width, masks, logprobs, bias_width, prompt = shape
+        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
+                                                np.full((b, width), -1, np.int32),
+                                                self.runner.host_prepare([None] * b, t)))
+        inputs = None if masks is None else jax.device_put(SamplingInputs(
+            np.ones(b, np.float32), z(b), np.ones(b, np.float32), np.zeros(b, np.float32),
+            np.zeros((b, 2), np.uint32), *masks))
+        bias = None if not bias_width else jax.device_put(LogitBias(z(b, bias_width),
+                                                                    np.zeros((b, bias_width), np.float32)))
+        targets = jax.device_put(z(b, t)) if prompt else None
+        return (abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(inputs),
+                logprobs, abstract(bias), abstract(targets))
+
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
                     stop_checker=None) -> Request:

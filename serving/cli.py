@@ -23,6 +23,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens (0 = off)")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the decode step shapes at startup (progress bar), so no decode step compiles "
+                        "while serving")
     p.add_argument("--compilation-cache", default=None,
                    help="directory of JAX's persistent compilation cache, so a restarted server does not compile "
                         "its step shapes again (about a minute each at the real model size); default: "
@@ -62,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
               block_size=args.block_size, speculative_config=spec, dtype=args.dtype,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile)
     app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -61,3 +61,34 @@ def test_a_dropped_executable_is_released():
     assert _live() - before == 1
     cache.set_limit(0)  # at least one stays
     assert len(cache) == 1 and x is not None
+
+
+def test_precompiled_decode_shapes_compile_nothing_while_decoding():
+    """After Engine.precompile() (the decode shapes: every row bucket x every page-table width), greedy decoding
+    of requests coming and going compiles only their prefill steps, never a decode step."""
+    runner = ToyRunner(CFG, 1)
+    eng = Engine(runner, EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, compile_ahead=False))
+    assert eng.precompile(progress=False) == len(eng.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 1, 2, 4 pages
+    assert eng.precompile(progress=False) == 0
+    decode = set(eng.decode_shapes())
+    launched = []
+    orig = eng._steps.call
+
+    def call(key, args):
+        launched.append((key, key in eng._steps))
+        return orig(key, args)
+
+    eng._steps.call = call
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [2, 2]]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=20 - 5 * i, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for req in eng.step():
+            if req.finished:
+                outs[req.request_id] = req.output
+    for i, p in enumerate(prompts):
+        assert outs[f"r{i}"] == solo_greedy(CFG, p, 20 - 5 * i, ignore_eos=True, max_len=32)
+    decode_steps = [(k, hit) for k, hit in launched if k in decode]
+    assert len(decode_steps) > 20 and all(hit for _, hit in decode_steps)
+    assert len({k for k, _ in decode_steps}) > 2  # several widths and row counts
