@@ -179,7 +179,7 @@ def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
 def _describe_shape(shape: tuple) -> str:
     """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
     prompt logprobs) reads in the log."""
-    b, t, width, masks, logprobs, bias_width, prompt = shape
+    b, t, width, masks, logprobs, bias_width, prompt, *_ = shape
     words = f"{b} rows x {t} tokens, page tables of {width} pages"
     if masks is not None:
         top_k_mode, use_top_p = masks
@@ -268,6 +268,8 @@ class Engine:
                                                cfg.block_size), self.ledger)
         self._steps, self._ahead = jitted_step(runner)
         self._steps.set_limit(cfg.max_compiled_steps)
+        # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
+        self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
         # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
         # that run at every width as a context grows, so the ones compiled ahead
         self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
@@ -302,7 +304,7 @@ class Engine:
         rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
         first = _bucket(max(1, self.cfg.min_batch_bucket))
         widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
-        return [(b, self._decode_tokens, w, None, False, 0, False)
+        return [(b, self._decode_tokens, w, None, False, 0, False, self._store_key)
                 for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
 
     def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
@@ -328,7 +330,7 @@ class Engine:
     def _abstract_args(self, shape: tuple) -> tuple:
         """The step's argument types for a shape key, built the way a step builds its arguments (so the types and
         device placements are the ones a real step of that shape has)."""
-        b, t, width, masks, logprobs, bias_width, prompt = shape
+        b, t, width, masks, logprobs, bias_width, prompt, _ = shape
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
                                                 np.full((b, width), -1, np.int32),
@@ -398,9 +400,9 @@ class Engine:
             bias, targets = self._logit_bias(ticket), self._prompt_targets(ticket)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
                      None if sampling_inputs is None else sampling_inputs.masks, logprobs,
-                     0 if bias is None else bias.ids.shape[1], targets is not None)
+                     0 if bias is None else bias.ids.shape[1], targets is not None, self._store_key)
             if self._ahead.wait(shape):
-                log.info("waited for the background compile of the engine step for shape %s", shape)
+                log.info("waited for the background compile of the engine step for %s", _describe_shape(shape))
             new_shape = shape not in self._steps
             if new_shape:
                 log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
@@ -410,7 +412,8 @@ class Engine:
                                                   logprobs, bias, targets))
             if new_shape:
                 self.counters["compiles"] += 1
-                log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
+                log.info("engine step for %s compiled and launched in %.1f s", _describe_shape(shape),
+                         time.perf_counter() - t0)
             self.ledger.store = store
             self.pending.append((ticket, out))
             self.counters["steps"] += 1

@@ -7,8 +7,9 @@ must fit in the rest (1 - utilization). On the CPU (no statistics) the pool is w
 max_model_len tokens need, capped at CPU_POOL_FRACTION of the host's available memory and at CPU_POOL_CAP_BYTES:
 a laptop or a test run does not reserve gigabytes for contexts it will not use.
 
-Page counts are rounded down to at most 6 significant bits (at most 3% less) (state_store.round_pages_down; the ledger rounds any
-other count up the same way), so the allocated store is what the budget allows, not the next power of two.
+Page counts are rounded down to at most 6 significant bits (at most 3% less; state_store.round_pages_down; the
+ledger rounds any other count up the same way), so the allocated store is what the budget allows, not the next
+power of two.
 """
 
 from __future__ import annotations

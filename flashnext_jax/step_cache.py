@@ -77,7 +77,8 @@ class StepCache:
         while len(self._lru) > max(self.limit, 1):
             key, _ = self._lru.popitem(last=False)
             self.counters["evicted"] += 1
-            log.info("dropped the compiled engine step for shape %s (least recently used of %d kept)", key, self.limit)
+            log.info("dropped a compiled engine step (the least recently used of %d kept): %s", self.limit,
+                     str(key)[:200])
 
     def call(self, key: Hashable, args: tuple) -> Any:
         """Run the step of `key` (compiling it first if it is not cached). The compiled executable takes the
