@@ -5,11 +5,11 @@ grows past 64, 128, ... pages needs a step of a new shape, and compiling that at
 minute (docs/STATUS.md): every request in flight would stall for it. So when the engine runs a decode step at some
 width, it asks for the step at the next width, and a worker thread compiles it while decoding goes on.
 
-How: `jitted.lower(*abstract_args).compile()` fills the same caches as a call of the jitted function (JAX caches
-the traced program, its lowering and its executable by the program and the argument types, not by who asked), so
-the engine's later call at that shape finds it compiled: tests/test_compile_ahead.py checks that the engine's own
-thread then compiles nothing. A compile that fails here only logs a warning; the engine's call compiles the shape
-itself when it needs it, and reports the error there.
+How: the worker calls the engine's StepCache.compile (step_cache.py) with the step's abstract arguments, which
+lowers and compiles the step for that shape and keeps the executable under the shape's key, so the engine's later
+step at that shape finds it compiled: tests/test_compile_ahead.py checks that the engine's own thread then
+compiles nothing. A compile that fails here only logs a warning; the engine compiles the shape itself when it
+needs it, and reports the error there.
 
 Two things the H200 run showed (bench/results/engine_step_compile_ahead.json):
 * Tracing and lowering the step is Python work that holds the GIL; with CPython's default 5 ms switch interval
@@ -68,13 +68,12 @@ def abstract(tree: Any) -> Any:
 
 
 class CompileAhead:
-    """One worker thread compiling `jitted` for the argument types it is given, one key at a time (compiles are
-    long and use the host's cores: one at a time leaves the serving thread its share). `done` is the set of keys
-    whose step is compiled, shared with the engine (it logs a key's first launch as a compile unless the key is
-    in it)."""
+    """One worker thread calling `compile(key, abstract_args)` (step_cache.StepCache.compile: it keeps the
+    executable) one key at a time (compiles are long and use the host's cores: one at a time leaves the serving
+    thread its share). `is_compiled(key)`: whether the key's step is compiled already."""
 
-    def __init__(self, jitted: Callable, done: set):
-        self._jitted, self._done = jitted, done
+    def __init__(self, compile: Callable[[Hashable, tuple], Any], is_compiled: Callable[[Hashable], bool]):
+        self._compile_fn, self._is_compiled = compile, is_compiled
         self._pending: dict[Hashable, threading.Event] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -87,7 +86,7 @@ class CompileAhead:
         """Queue a compile of `key` unless it is compiled or queued. make_args() -> the call's abstract arguments
         (called now, on the caller's thread). Returns whether a compile was queued."""
         with self._lock:
-            if self._closing or key in self._done or key in self._pending or key in self.failed:
+            if self._closing or self._is_compiled(key) or key in self._pending or key in self.failed:
                 return False
             self._pending[key] = threading.Event()
             if self._thread is None:
@@ -139,17 +138,15 @@ class CompileAhead:
         try:
             interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-            try:
-                lowered = self._jitted.lower(*args)
+            try:  # tracing and lowering hold the GIL; XLA's compile releases it
+                self._compile_fn(key, args)
             finally:
                 sys.setswitchinterval(interval)
-            lowered.compile()
         except Exception as e:  # noqa: BLE001 - the engine compiles it itself if it needs it
             self.failed[key] = repr(e)
             log.warning("background compile of the engine step for %s failed (%s); the engine will compile it when "
                         "it needs it", what, repr(e)[:300])
         else:
-            self._done.add(key)
             log.info("background compile of the engine step for %s: done in %.1f s", what, time.perf_counter() - t0)
         finally:
             with self._lock:

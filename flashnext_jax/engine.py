@@ -19,6 +19,8 @@ import numpy as np
 
 from . import sampling
 from .compile_ahead import CompileAhead, abstract
+from .step_cache import StepCache
+from .page_pool import device_memory, size_pool
 from .device_sampling import LogitBias, SamplingInputs, device_sampled, prompt_logprobs, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
@@ -107,8 +109,8 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple[Any, Callable, set, CompileAhead]] = {}  # id(runner) -> (runner, jitted step, shapes
-# compiled, its background compiler)
+_JIT: dict[int, tuple[Any, StepCache, CompileAhead]] = {}  # id(runner) -> (runner, its compiled steps, their
+# background compiler)
 
 
 def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -162,23 +164,22 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     return run
 
 
-def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
-    """The runner's jitted step (one per runner, shared by its engines), the set of input shapes compiled for it
-    (a new shape compiles: about a minute at the real model size, so the engine logs it) and the background
-    compiler that compiles shapes before they are needed (compile_ahead.py)."""
+def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
+    """The runner's compiled steps by shape (one StepCache per runner, shared by its engines; a new shape compiles:
+    about a minute at the real model size, so the engine logs it) and the background compiler that compiles shapes
+    before they are needed (compile_ahead.py)."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        run = with_device_sampling(runner.step, getattr(runner, "logits", None))
-        jitted, shapes = jax.jit(run, donate_argnums=(1,), static_argnums=(4,)), set()
-        hit = (runner, jitted, shapes, CompileAhead(jitted, shapes))
+        steps = StepCache(with_device_sampling(runner.step, getattr(runner, "logits", None)), 32)
+        hit = (runner, steps, CompileAhead(steps.compile, steps.__contains__))
         _JIT[id(runner)] = hit
-    return hit[1], hit[2], hit[3]
+    return hit[1], hit[2]
 
 
 def _describe_shape(shape: tuple) -> str:
     """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
     prompt logprobs) reads in the log."""
-    b, t, width, masks, logprobs, bias_width, prompt = shape
+    b, t, width, masks, logprobs, bias_width, prompt, *_ = shape
     words = f"{b} rows x {t} tokens, page tables of {width} pages"
     if masks is not None:
         top_k_mode, use_top_p = masks
@@ -223,7 +224,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     block_size: int = 16  # prefix-snapshot granularity
     page_size: int = 16  # KV page size
-    num_pages: int | None = None  # default: enough for max_num_seqs full sequences
+    num_pages: int | None = None  # default: sized from the device memory left (page_pool.py)
+    gpu_memory_utilization: float = 0.9  # the fraction of device memory the engine may use (vLLM's meaning)
     num_slots: int | None = None  # default: max_num_seqs
     num_snapshots: int = 64
     pipeline_delay: int = 0  # D: a step's sample+commit runs D engine steps after it was launched
@@ -235,6 +237,9 @@ class EngineConfig:
     # compile the decode step for the next page-table width in the background while decoding at a width, so a
     # request whose context outgrows its width does not stall every request for a compile (compile_ahead.py)
     compile_ahead: bool = True
+    # compiled step executables kept (least recently used dropped beyond): each maps ~1,000 memory regions, and
+    # vm.max_map_count (65,530) ended a server that kept ~60 (step_cache.py)
+    max_compiled_steps: int = 32
 
 
 class Engine:
@@ -251,9 +256,9 @@ class Engine:
             raise ValueError(f"max_model_len {mml} exceeds the model's {runner.max_model_len}")
         slots = cfg.num_slots or cfg.max_num_seqs
         mp = -(-mml // cfg.page_size)
-        pages = cfg.num_pages or mp * slots + 2 * mp
-        self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.K1 = runner.k + 1
+        pages = cfg.num_pages or self._size_pool(runner.store_spec(), cfg, slots, mml)
+        self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.max_pages_per_row = _bucket(mp)
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
@@ -261,7 +266,10 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size), self.ledger)
-        self._step, self._shapes_seen, self._ahead = jitted_step(runner)
+        self._steps, self._ahead = jitted_step(runner)
+        self._steps.set_limit(cfg.max_compiled_steps)
+        # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
+        self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
         # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
         # that run at every width as a context grows, so the ones compiled ahead
         self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
@@ -274,6 +282,67 @@ class Engine:
         self.counters = collections.Counter()
         self._bug_row_addressed_commit = False  # mutation-test knob: reproduces the incident's addressing bug
         self._last_rows: list[tuple] = []
+
+    def _size_pool(self, spec: StoreSpec, cfg: EngineConfig, slots: int, mml: int) -> int:
+        pool = size_pool(spec, cfg.page_size, slots, cfg.num_snapshots, self.K1, mml, cfg.gpu_memory_utilization,
+                         device_memory())
+        tokens = pool.num_pages * cfg.page_size
+        log.info("KV page pool: %s; at most %.2f concurrent sequences of max_model_len %d", pool.describe(
+            cfg.page_size), tokens / mml, mml)
+        if tokens < mml:
+            log.warning("the KV page pool holds %d tokens, less than max_model_len %d: longer requests are refused",
+                        tokens, mml)
+        if pool.num_pages < 1:
+            raise ValueError(f"no device memory left for the KV page pool ({pool.source}); lower the model size or "
+                             f"raise gpu_memory_utilization ({cfg.gpu_memory_utilization})")
+        return pool.num_pages
+
+    # ---- compiling ahead of traffic
+    def decode_shapes(self) -> list[tuple]:
+        """The greedy decode step shapes this engine can launch (every row bucket x the decode token bucket x every
+        page-table width): the steps that run at every width as contexts grow, so the ones precompiled."""
+        rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
+        first = _bucket(max(1, self.cfg.min_batch_bucket))
+        widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
+        return [(b, self._decode_tokens, w, None, False, 0, False, self._store_key)
+                for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
+
+    def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
+        """Compile the step for `shapes` (default: decode_shapes()) now, with a progress bar, so that requests of
+        those shapes compile nothing (with JAX's persistent compilation cache configured, a restart reads them
+        from disk). Returns how many were compiled."""
+        from tqdm import tqdm
+
+        shapes = list(self.decode_shapes() if shapes is None else shapes)
+        if len(shapes) > self._steps.limit:
+            log.warning("precompiling %d step shapes, more than max_compiled_steps %d: keeping all of them",
+                        len(shapes), self._steps.limit)
+            self._steps.set_limit(len(shapes))
+        todo = [s for s in shapes if s not in self._steps]
+        log.info("precompiling %d engine step shapes (%d compiled already)", len(todo), len(shapes) - len(todo))
+        t0 = time.perf_counter()
+        for shape in tqdm(todo, desc="compiling engine steps", unit=" shapes", disable=not progress):
+            log.info("compiling the engine step for %s", _describe_shape(shape))
+            self._steps.compile(shape, self._abstract_args(shape))
+        log.info("precompiled %d engine step shapes in %.1f s", len(todo), time.perf_counter() - t0)
+        return len(todo)
+
+    def _abstract_args(self, shape: tuple) -> tuple:
+        """The step's argument types for a shape key, built the way a step builds its arguments (so the types and
+        device placements are the ones a real step of that shape has)."""
+        b, t, width, masks, logprobs, bias_width, prompt, _ = shape
+        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
+                                                np.full((b, width), -1, np.int32),
+                                                self.runner.host_prepare([None] * b, t)))
+        inputs = None if masks is None else jax.device_put(SamplingInputs(
+            np.ones(b, np.float32), z(b), np.ones(b, np.float32), np.zeros(b, np.float32),
+            np.zeros((b, 2), np.uint32), *masks))
+        bias = None if not bias_width else jax.device_put(LogitBias(z(b, bias_width),
+                                                                    np.zeros((b, bias_width), np.float32)))
+        targets = jax.device_put(z(b, t)) if prompt else None
+        return (abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(inputs),
+                logprobs, abstract(bias), abstract(targets))
 
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
@@ -331,19 +400,20 @@ class Engine:
             bias, targets = self._logit_bias(ticket), self._prompt_targets(ticket)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
                      None if sampling_inputs is None else sampling_inputs.masks, logprobs,
-                     0 if bias is None else bias.ids.shape[1], targets is not None)
+                     0 if bias is None else bias.ids.shape[1], targets is not None, self._store_key)
             if self._ahead.wait(shape):
-                log.info("waited for the background compile of the engine step for shape %s", shape)
-            new_shape = shape not in self._shapes_seen
+                log.info("waited for the background compile of the engine step for %s", _describe_shape(shape))
+            new_shape = shape not in self._steps
             if new_shape:
                 log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
                          _describe_shape(shape))
                 t0 = time.perf_counter()
-            store, out = self._step(self.runner.params, self.ledger.store, batch, sampling_inputs, logprobs, bias,
-                                    targets)
+            store, out = self._steps.call(shape, (self.runner.params, self.ledger.store, batch, sampling_inputs,
+                                                  logprobs, bias, targets))
             if new_shape:
-                self._shapes_seen.add(shape)
-                log.info("engine step for shape %s compiled and launched in %.1f s", shape, time.perf_counter() - t0)
+                self.counters["compiles"] += 1
+                log.info("engine step for %s compiled and launched in %.1f s", _describe_shape(shape),
+                         time.perf_counter() - t0)
             self.ledger.store = store
             self.pending.append((ticket, out))
             self.counters["steps"] += 1

@@ -76,11 +76,15 @@ def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Token
 
 
 class LLM:
-    def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
+    def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
                  tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int = 0,
-                 **engine_kwargs):
+                 gpu_memory_utilization: float = 0.9, precompile: bool = False, **engine_kwargs):
+        """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
+        the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
+        (gpu_memory_utilization; page_pool.py). precompile: compile the decode step shapes now, with a progress
+        bar (Engine.precompile). engine_kwargs: further EngineConfig fields."""
         k = 0
         if speculative_config:
             method = speculative_config.get("method", "mtp")
@@ -94,8 +98,11 @@ class LLM:
                            max_model_len=max_model_len, num_speculative_tokens=k,
                            enable_prefix_caching=enable_prefix_caching, block_size=block_size,
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
-                           pipeline_delay=pipeline_delay, **engine_kwargs)
+                           pipeline_delay=pipeline_delay, gpu_memory_utilization=gpu_memory_utilization,
+                           **engine_kwargs)
         self.engine = Engine(self.runner, cfg)
+        if precompile:
+            self.engine.precompile()
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}

@@ -96,9 +96,15 @@ class Scheduler:
         if n >= self.cfg.max_model_len:
             raise ValueError(f"request {req.request_id}: prompt has {n} tokens but max_model_len is "
                              f"{self.cfg.max_model_len} (needs room for at least one output token)")
-        pages_needed = -(-self.cfg.max_model_len // self.ledger.dims.page_size)
-        if pages_needed > self.ledger.dims.num_pages:
-            raise ValueError("the page pool cannot hold one max_model_len sequence")
+        # the most context the request can reach (prompt + max_tokens, at most max_model_len) must fit the pool
+        # alone, or it could never finish: refuse it now, naming both numbers
+        max_tokens = getattr(req.params, "max_tokens", None) or self.cfg.max_model_len
+        need = min(n + max_tokens, self.cfg.max_model_len)
+        dims = self.ledger.dims
+        if self._pages_for(need) > dims.num_pages:
+            raise ValueError(f"request {req.request_id}: prompt ({n} tokens) + max_tokens ({max_tokens}) needs "
+                             f"{need} tokens of KV cache but the KV page pool holds at most "
+                             f"{dims.num_pages * dims.page_size} tokens ({dims.num_pages} pages of {dims.page_size})")
         self._insert_waiting(req)
 
     def _insert_waiting(self, req: Request):

@@ -164,6 +164,24 @@ def write_pages(store: StateStore, name: str, page_table: jax.Array, positions: 
 # ------------------------------------------------------------------------------ store ops (jitted, store donated)
 
 
+POOL_SIGNIFICANT_BITS = 6  # page pools are rounded to counts of at most this many significant bits
+
+
+def round_pages_down(n: int) -> int:
+    """The largest count <= n with at most POOL_SIGNIFICANT_BITS significant bits."""
+    drop = max(0, n.bit_length() - POOL_SIGNIFICANT_BITS)
+    return (n >> drop) << drop
+
+
+def round_pages_up(n: int) -> int:
+    """The smallest count >= n with at most POOL_SIGNIFICANT_BITS significant bits (powers of two stay): the
+    page pool's capacity. Not the next power of two, so a pool sized from device memory (page_pool.py, rounded
+    down the same way) is allocated as sized, while pools of nearby sizes still share compiled steps."""
+    n = max(n, 1)
+    drop = max(0, n.bit_length() - POOL_SIGNIFICANT_BITS)
+    return -(-n >> drop) << drop
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
@@ -308,7 +326,7 @@ class StoreLedger:
         # sizes share compiled steps; the ledger hands out only the first `dims` entries (the rest stay poisoned)
         self.store = init_store(spec, dataclasses.replace(
             dims, num_slots=_bucket(max(dims.num_slots, min_capacity[0])),
-            num_pages=_bucket(max(dims.num_pages, min_capacity[1])), num_snaps=_bucket(max(dims.num_snaps, min_capacity[2]))))
+            num_pages=round_pages_up(max(dims.num_pages, min_capacity[1])), num_snaps=_bucket(max(dims.num_snaps, min_capacity[2]))))
         self._inits = tuple((n, l.init) for n, l in spec.slot.items())
         self.slots = [_SlotInfo() for _ in range(dims.num_slots)]
         self.free_slots: collections.deque[int] = collections.deque(range(dims.num_slots))

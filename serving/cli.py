@@ -43,14 +43,21 @@ def add_serve_parser(sub, parents=()) -> None:
                    help="require `Authorization: Bearer <key>` on /v1 routes (default: $VLLM_API_KEY; unset: none)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation / weight dtype")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests in a batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step (the prefill chunk size; vLLM's default)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the device memory the engine may use; the KV page pool gets what the weights "
+                        "leave of it (on the CPU: see docs/engine-design.md)")
     p.add_argument("--enable-prefix-caching", action="store_true", help="reuse the state of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache page size and prefix-snapshot granularity, in tokens")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'')
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="shorthand for --speculative-config with method mtp (0 = off)")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the decode step shapes at startup (progress bar), so no decode step compiles "
+                        "while serving")
     p.add_argument("--chat-template", help="chat template: a Jinja file, or the template itself (default: the "
                                            "model's chat_template.jinja / tokenizer_config.json)")
     p.add_argument("--generation-config", default="auto",
@@ -142,7 +149,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_compilation_cache(args.compilation_cache)
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype)
+              block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile)
     if args.chat_template:
         if llm.tokenizer is None:
             raise ValueError("--chat-template: this model has no tokenizer")

@@ -287,3 +287,47 @@ def test_logprobs_equal_the_models_log_softmax():
             top = np.argsort(-ref[i], kind="stable")[:2]
             assert [t for t, _ in got.top] == list(top)
             np.testing.assert_allclose([v for _, v in got.top], ref[i, top], atol=1e-4)
+
+
+def _log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+@pytest.mark.parametrize("k,budget", [(0, 64), (0, 8), (1, 64), (1, 6)])
+def test_prompt_logprobs_equal_model_logits(k, budget):
+    """prompt_logprobs of the real model behind the engine, one-shot (budget 64) and in chunks of 8 / 6 tokens,
+    without and with MTP: each prompt token's logprob and the top-3 equal the log-softmax of Model.logits of the
+    prompt (float32, <= 1e-5); the first entry is None."""
+    lm = llm(k, max_num_seqs=2, max_num_batched_tokens=budget)
+    params = [fj.SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY), fj.SamplingParams(max_tokens=2, **GREEDY)]
+    outs = lm.generate([PROMPTS[0], PROMPTS[2]], params)
+    assert outs[1].prompt_logprobs is None
+    prompt = outs[0].prompt_token_ids
+    ref = _log_softmax(model().logits(prompt))
+    got = outs[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        assert got[pos].token_id == prompt[pos]
+        np.testing.assert_allclose(got[pos].logprob, ref[pos - 1, prompt[pos]], atol=1e-5)
+        top = np.argsort(-ref[pos - 1], kind="stable")[:3]
+        assert [t for t, _ in got[pos].top] == list(top)
+        np.testing.assert_allclose([v for _, v in got[pos].top], ref[pos - 1, top], atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_logit_bias_greedy_equals_biased_model_logits(k):
+    """Greedy decoding with a logit_bias equals the argmax of Model.logits + the bias, token by token (with MTP:
+    greedy verification of drafts against the biased target)."""
+    prompt = PROMPTS[1]
+    plain = solo(prompt, 4)
+    bias = {plain[0]: -30.0, plain[1]: -30.0, 7: 4.0}
+    (out,) = llm(k, max_num_seqs=1).generate([prompt], fj.SamplingParams(max_tokens=4, logit_bias=bias, **GREEDY))
+    want = []
+    for _ in range(4):
+        x = model().logits(prompt + want)[-1].astype(np.float64)
+        for t, b in bias.items():
+            x[t] += b
+        want.append(int(np.argmax(x)))
+    assert want != plain and out.token_ids == want

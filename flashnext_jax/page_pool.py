@@ -1,0 +1,84 @@
+"""How many KV pages the engine's store gets: sized from the device memory left after the weights, like vLLM's
+`gpu_memory_utilization`.
+
+On a device that reports memory statistics (GPU, TPU): the pool takes `utilization` of the device's memory limit
+minus what is in use already (the weights, the runtime), minus the slot and snapshot pools; activations of a step
+must fit in the rest (1 - utilization). On the CPU (no statistics) the pool is what max_num_seqs sequences of
+max_model_len tokens need, capped at CPU_POOL_FRACTION of the host's available memory and at CPU_POOL_CAP_BYTES:
+a laptop or a test run does not reserve gigabytes for contexts it will not use.
+
+Page counts are rounded down to at most 6 significant bits (at most 3% less; state_store.round_pages_down; the
+ledger rounds any other count up the same way), so the allocated store is what the budget allows, not the next
+power of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from .state_store import StoreSpec, round_pages_down
+
+CPU_POOL_FRACTION = 0.25
+CPU_POOL_CAP_BYTES = 4 << 30
+
+
+def leaf_bytes(leaves) -> int:
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves.values())
+
+
+def device_memory(device=None) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of the device, or None where it reports no statistics (the CPU)."""
+    import jax
+
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def host_available_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return CPU_POOL_CAP_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    num_pages: int
+    page_bytes: int  # one page of every page leaf
+    source: str  # how it was sized, for the log
+
+    def describe(self, page_size: int) -> str:
+        return (f"{self.num_pages} KV pages of {page_size} tokens ({self.num_pages * page_size} tokens of context "
+                f"in all, {self.num_pages * self.page_bytes / 2**30:.2f} GiB; {self.source})")
+
+
+def size_pool(spec: StoreSpec, page_size: int, num_slots: int, num_snapshots: int, k1: int, max_model_len: int,
+              utilization: float, memory: tuple[int, int] | None) -> PoolSize:
+    """The page count for a store of this spec (see the module docstring). `memory`: device_memory()."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    page_bytes = max(1, leaf_bytes(spec.page) * page_size)
+    pages_per_seq = -(-max_model_len // page_size)
+    if memory is not None:
+        limit, in_use = memory
+        others = leaf_bytes(spec.slot) * (num_slots * k1 + num_snapshots)
+        budget = int(utilization * limit) - in_use - others
+        pages = round_pages_down(max(budget // page_bytes, 0))
+        return PoolSize(pages, page_bytes, f"{utilization:.2f} of the device's {limit / 2**30:.1f} GiB, "
+                                           f"{in_use / 2**30:.2f} GiB in use before")
+    want = pages_per_seq * num_slots + 2 * pages_per_seq
+    cap = min(int(CPU_POOL_FRACTION * host_available_bytes()), CPU_POOL_CAP_BYTES) // page_bytes
+    pages = round_pages_down(max(min(want, cap), 1))
+    why = "max_num_seqs sequences of max_model_len" if want <= cap else \
+        f"capped at min({CPU_POOL_FRACTION:.0%} of the host's available memory, {CPU_POOL_CAP_BYTES >> 30} GiB)"
+    return PoolSize(pages, page_bytes, f"no device memory statistics: {why}")

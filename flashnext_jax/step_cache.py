@@ -1,0 +1,87 @@
+"""The engine step's compiled executables, one per step shape, at most `limit` of them (least recently used out).
+
+Why: every compiled executable keeps its code mapped in the process (about 1,000 memory mappings each for the
+demo model on the CPU); a server that compiled ~60 shapes ran out of vm.max_map_count and died (issue 18). A
+`jax.jit` function keeps every executable it ever compiled for as long as the function lives, so here each shape
+gets its own `jax.jit` of the step, compiled ahead of time (`lower(...).compile()`), and the cache holds only the
+`Compiled` object: dropping it drops the last reference to the executable (tests/test_step_cache.py checks the
+backend's live executables). A shape evicted and needed again compiles again, from JAX's persistent compilation
+cache when one is configured (seconds instead of a minute at the real size).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable, Hashable
+
+import jax
+
+log = logging.getLogger("flashnext_jax.engine")
+
+
+class StepCache:
+    """Compiled steps of `run` by shape key. `run(params, store, batch, sampling_inputs, logprobs, logit_bias,
+    prompt_targets)`: the store (argument 1) is donated, logprobs (argument 4) is static."""
+
+    def __init__(self, run: Callable, limit: int):
+        self._run = run
+        self.limit = limit
+        self._lru: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = collections.Counter()
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._lru
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._lru)
+
+    def compile(self, key: Hashable, args: tuple) -> Any:
+        """Compile the step for `args` (arrays or their abstract types) under `key`, unless it is cached."""
+        with self._lock:
+            hit = self._lru.get(key)
+        if hit is not None:
+            return hit
+        def run(*a):  # a new function per shape: the jit below and its caches die with the cache entry
+            return self._run(*a)
+
+        jitted = jax.jit(run, donate_argnums=(1,), static_argnums=(4,))
+        compiled = jitted.lower(*args).compile()
+        with self._lock:
+            self._lru[key] = compiled
+            self.counters["compiled"] += 1
+            self._evict()
+        return compiled
+
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+            return hit
+
+    def set_limit(self, limit: int):
+        with self._lock:
+            self.limit = limit
+            self._evict()
+
+    def _evict(self):
+        while len(self._lru) > max(self.limit, 1):
+            key, _ = self._lru.popitem(last=False)
+            self.counters["evicted"] += 1
+            log.info("dropped a compiled engine step (the least recently used of %d kept): %s", self.limit,
+                     str(key)[:200])
+
+    def call(self, key: Hashable, args: tuple) -> Any:
+        """Run the step of `key` (compiling it first if it is not cached). The compiled executable takes the
+        arguments but the static one."""
+        compiled = self.get(key) or self.compile(key, args)
+        return compiled(*args[:4], *args[5:])
