@@ -59,8 +59,12 @@ class _EngineGauges:
         yield gauge("flashnext:pages_total", "KV-cache pages", use["pages"])
         yield gauge("flashnext:prefix_snapshots", "Prefix-cache snapshots held", use["snapshots"])
         # each compiled step program holds an executable (~1,000 memory maps at the real size): the soak test reads it
-        yield gauge("flashnext:step_compilations", "Engine step programs compiled so far (new shapes, and shapes "
-                    "compiled ahead)", len(engine._shapes_seen) + engine.counters["compiles_ahead"])
+        steps = engine._steps  # the engine's StepCache (LRU of compiled step programs)
+        yield gauge("flashnext:step_compilations", "Engine step programs compiled so far",
+                    steps.counters["compiled"])
+        yield gauge("flashnext:compiled_steps_cached", "Compiled engine step programs held (LRU-bounded)", len(steps))
+        yield gauge("flashnext:compiled_steps_evicted", "Compiled engine step programs dropped by the LRU",
+                    steps.counters["evicted"])
         yield gauge("flashnext:xla_compilations", "XLA executables this process built or loaded from the cache "
                     "(step programs and every other jitted function)", _xla["finished"])
         yield gauge("flashnext:xla_compilations_in_progress", "XLA compilations under way (counted while the "
