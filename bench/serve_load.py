@@ -99,6 +99,17 @@ def round_at(base: str, concurrency: int, requests: int, args, rng: random.Rando
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "e2e_ms": pct([r["e2e"] for r in results])}
 
 
+def _save(rows: list[dict], args, complete: bool) -> str:
+    summary = {f"{'mtp' if r['mtp_tokens'] else 'no_mtp'}_c{r['concurrency']}": {
+        "requests_per_s": r["requests_per_s"], "output_tokens_per_s": r["output_tokens_per_s"],
+        "ttft_p50_ms": r["ttft_ms"]["p50"], "itl_p50_ms": r["itl_ms"]["p50"] if r["itl_ms"] else None}
+        for r in rows}
+    return save_result("serve_load.json", rows, args.out, summary=summary, complete=complete,
+                       model=args.model or "embedded demo model", dtype=args.dtype,
+                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                       requests_per_stream=args.requests_per_stream)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the embedded demo model)")
@@ -112,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rng = random.Random(0)
-    rows = []
+    rows: list[dict] = []
+    path = None
     for k in args.mtp:
         proc, base = start_server(args, ["--num-speculative-tokens", str(k)] if k else [])
         try:
@@ -122,18 +134,11 @@ def main(argv=None) -> int:
                 row = {"mtp_tokens": k} | round_at(base, c, c * args.requests_per_stream, args, rng)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                path = _save(rows, args, complete=False)  # what is measured so far survives an interrupted run
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    summary = {f"{'mtp' if r['mtp_tokens'] else 'no_mtp'}_c{r['concurrency']}": {
-        "requests_per_s": r["requests_per_s"], "output_tokens_per_s": r["output_tokens_per_s"],
-        "ttft_p50_ms": r["ttft_ms"]["p50"], "itl_p50_ms": r["itl_ms"]["p50"] if r["itl_ms"] else None}
-        for r in rows}
-    path = save_result("serve_load.json", rows, args.out, summary=summary,
-                       model=args.model or "embedded demo model", dtype=args.dtype,
-                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                       note="CPU run on a shared 2-core machine: relative numbers only" if
-                       "cpu" in os.environ.get("JAX_PLATFORMS", "cpu") else "")
+    path = _save(rows, args, complete=True)
     print(f"wrote {path}")
     return 0
 
