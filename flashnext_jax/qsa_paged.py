@@ -32,7 +32,7 @@ SCORE_TILE_ELEMENTS = 1 << 24  # scores per tile (T x index heads x blocks, fp32
 class PagedKV(NamedTuple):
     """The store's QSA page leaves as one layer sees them: pools [P + 1, page, n_qsa, ...] (last page = the
     poisoned null page), the rows' page tables [B, MP], which tokens get written ([B, T]: valid tokens of live
-    rows) and this layer's index among the QSA layers."""
+    rows), this layer's index among the QSA layers and the scoring tile's size in scores (the memory knob)."""
 
     k: jax.Array
     v: jax.Array
@@ -40,6 +40,7 @@ class PagedKV(NamedTuple):
     page_table: jax.Array
     write: jax.Array
     layer: int
+    score_elements: int = SCORE_TILE_ELEMENTS
 
 
 def _page_rows(kv: PagedKV, positions):
@@ -63,12 +64,12 @@ def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, 
     return min(tile, max(1, n_blocks))
 
 
-def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions, score_elements: int):
+def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
     """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool)."""
     b, t = positions.shape
     ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
     n_blocks = kv.page_table.shape[1] * kv.index.shape[1] // ratio
-    tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, score_elements)
+    tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, kv.score_elements)
     n_complete = (positions + 1) // ratio
 
     def merge(carry, first):
@@ -88,8 +89,7 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions, sc
     return idx, jnp.isfinite(vals)
 
 
-def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *,
-                      score_elements: int = SCORE_TILE_ELEMENTS, query_tile: int = 128):
+def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *, query_tile: int = 128):
     """One QSA layer over the paged store. u [B, T, H]; positions, valid [B, T]. Returns (y [B, T, H], kv with
     this step's K/V/index entries written into its pools)."""
     ratio, page_size = cfg.indexer_compress_ratio, kv.k.shape[1]
@@ -102,7 +102,7 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
                      index=_write(kv.index, kv, positions, k_index))
 
-    idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions, score_elements)
+    idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions)
     n_complete = (positions + 1) // ratio
     blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)  # the chosen blocks, then the tail block
     length = jnp.concatenate([jnp.where(chosen, ratio, 0), ((positions + 1) % ratio)[..., None]], axis=-1)

@@ -34,9 +34,8 @@ def dense(u):
 
 @functools.partial(jax.jit, static_argnames=("layer", "score_elements", "query_tile"))
 def paged_step(kp, vp, ip, page_table, u, positions, valid, layer, score_elements, query_tile):
-    kv = PagedKV(kp, vp, ip, page_table, valid, layer)
-    y, kv = qsa_paged_forward(PARAMS, CFG, u, positions, valid, kv, score_elements=score_elements,
-                              query_tile=query_tile)
+    kv = PagedKV(kp, vp, ip, page_table, valid, layer, score_elements)
+    y, kv = qsa_paged_forward(PARAMS, CFG, u, positions, valid, kv, query_tile=query_tile)
     return y, kv.k, kv.v, kv.index
 
 
