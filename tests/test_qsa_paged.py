@@ -23,19 +23,19 @@ PARAMS = jax.tree.map(lambda x: x * 30, random_params(CFG, 0, jnp.float32)["laye
 N_QSA, LAYER = 2, 1  # the pools hold two QSA layers; this one is the second
 
 
-def dense(u):
+def dense(u, cfg=CFG, params=PARAMS):
     t = u.shape[1]
     L = -(-t // 4) * 4
     cache = (jnp.zeros((u.shape[0], L, CFG.num_key_value_heads, CFG.head_dim)),) * 2 + (jnp.zeros((u.shape[0], L, 16)),)
     pos = jnp.broadcast_to(jnp.arange(t), u.shape[:2])
-    y, _ = jax.jit(qsa_forward, static_argnums=1)(PARAMS, CFG, u, pos, jnp.ones(u.shape[:2], bool), cache)
+    y, _ = jax.jit(qsa_forward, static_argnums=1)(params, cfg, u, pos, jnp.ones(u.shape[:2], bool), cache)
     return np.asarray(y)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "score_elements", "query_tile"))
-def paged_step(kp, vp, ip, page_table, u, positions, valid, layer, score_elements, query_tile):
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "score_elements", "query_tile"))
+def paged_step(params, cfg, kp, vp, ip, page_table, u, positions, valid, layer, score_elements, query_tile):
     kv = PagedKV(kp, vp, ip, page_table, valid, layer, score_elements)
-    y, kv = qsa_paged_forward(PARAMS, CFG, u, positions, valid, kv, query_tile=query_tile)
+    y, kv = qsa_paged_forward(params, cfg, u, positions, valid, kv, query_tile=query_tile)
     return y, kv.k, kv.v, kv.index
 
 
@@ -45,7 +45,8 @@ def pools(n_pages, page_size):
     return nan((CFG.num_key_value_heads, CFG.head_dim)), nan((CFG.num_key_value_heads, CFG.head_dim)), nan((16,))
 
 
-def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=128, seed=0):
+def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=128, seed=0, cfg=CFG,
+              params=PARAMS):
     """Rows of u [B, T, H] with lengths[b] real tokens, fed in chunk sizes `chunks` (the last repeats)."""
     b, t, _ = u.shape
     per_row = -(-t // page_size)
@@ -64,8 +65,8 @@ def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=
         piece = jnp.take(u, jnp.minimum(pos, t - 1), axis=1)[0] if b == 1 else jnp.stack(
             [u[r, jnp.minimum(pos[r], t - 1)] for r in range(b)])
         piece = piece.reshape(b, c, -1)
-        y, kp, vp, ip = paged_step(kp, vp, ip, jnp.asarray(table), piece, pos, valid, LAYER, score_elements,
-                                   query_tile)
+        y, kp, vp, ip = paged_step(params, cfg, kp, vp, ip, jnp.asarray(table), piece, pos, valid, LAYER,
+                                   score_elements, query_tile)
         y = np.asarray(y)
         for r in range(b):
             n = int(np.clip(lengths[r] - start, 0, c))
@@ -120,3 +121,22 @@ def test_two_thousand_tokens_page_64():
     u = u_of(1, 2000, seed=6)
     got = run_paged(u, [2000], [509, 1, 1, 777], 64, score_elements=1 << 16)
     assert rel(got[0], dense(u)[0]) <= 1e-5
+
+
+def test_ties_go_to_the_lowest_block_as_in_the_oracle():
+    """One index head: every block whose score is negative relus to exactly 0, so the top-k boundary is full of
+    exact ties; the tiled running top-k must resolve them like the oracle's single top_k."""
+    from flashnext_jax.qsa import block_keys, block_scores, project
+
+    cfg = tiny_config(indexer_budget=96, indexer_n_heads=1)  # 24 of up to 40 blocks: about half score 0
+    params = jax.tree.map(lambda x: x * 30, random_params(cfg, 3, jnp.float32)["layers"][cfg.qsa_layers[0]]["self_attn"])
+    t = 160
+    u = u_of(1, t, seed=8)
+    _, _, _, _, q_index, raw = project(params, cfg, u, jnp.arange(t)[None])
+    keys = block_keys(params["indexer"], cfg, raw.reshape(1, t // 4, 4, -1), jnp.arange(t // 4))
+    scores = np.asarray(block_scores(q_index, keys))[0]  # [T, blocks]
+    k = cfg.block_topk
+    tied = [p for p in range(4 * k + 3, t) if (np.sort(scores[p, : (p + 1) // 4])[::-1][k - 1 : k + 1] == 0).all()]
+    assert len(tied) > 20, len(tied)  # queries whose last chosen block ties with an unchosen one
+    got = run_paged(u, [t], [53, 1, 9], 16, score_elements=53 * 8, cfg=cfg, params=params)
+    assert rel(got[0], dense(u, cfg, params)[0]) <= 1e-5
