@@ -1,14 +1,15 @@
 """The real model behind the engine's ModelRunner protocol (docs/engine-design.md, section 5).
 
 `RealRunner(model, num_speculative_tokens)` wraps a loaded `api.Model`. Its pure `step` gathers each live row's
-state through the `state_store` helpers (slot id -> committed column); the QSA layers read and write the K/V/index
-pages in place through the page tables (`qsa_paged.py`: the indexer's blocks and the tail only; `paged_qsa=False`
-builds the dense per-row K/V layout of `model.forward` instead, the oracle), runs `model.decoder_layer` (the same layer code as `model.forward`) with checkpoint columns (GDN
-recurrent/conv, PLE conv and n-gram context, the MTP hyper input after each of the last K1 = k + 1 row tokens),
-scatters the new tokens' K/V/index entries back into the row's pages and the columns into the row's slot, and
+state through the `state_store` helpers (slot id -> committed column), runs `model.decoder_layer` (the same layer
+code as `model.forward`) with checkpoint columns (GDN recurrent/conv, PLE conv and n-gram context, the MTP hyper
+input after each of the last K1 = k + 1 row tokens), writes the columns into the row's slot, and
 returns target logits and MTP draft logits at the tail. Where the GDN Pallas kernels run (`gdn.uses_kernels`), the
 recurrent state is the exception: it is never gathered, the kernels read and write the store leaf by slot id and
-layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched.
+layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched. The QSA layers read
+and write their K/V/index pages in place through the page tables (`qsa_paged.PagedKV`: the step's entries first,
+then only the indexer's chosen blocks and the tail); with `paged_qsa=False` (the oracle) the step instead builds
+the dense per-row K/V layout of `model.forward` (length = the page-table width) and scatters the new entries back.
 
 MTP bookkeeping (one position behind the main model): the MTP cache entry of pair (h_{q-1}, e_q) is computed at
 RoPE position q-1 (exactly as `Model.mtp_logits`) but stored at page position q, so every write stays inside the

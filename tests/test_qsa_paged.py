@@ -129,7 +129,8 @@ def test_ties_go_to_the_lowest_block_as_in_the_oracle():
     from flashnext_jax.qsa import block_keys, block_scores, project
 
     cfg = tiny_config(indexer_budget=96, indexer_n_heads=1)  # 24 of up to 40 blocks: about half score 0
-    params = jax.tree.map(lambda x: x * 30, random_params(cfg, 3, jnp.float32)["layers"][cfg.qsa_layers[0]]["self_attn"])
+    params = random_params(cfg, 3, jnp.float32)["layers"][cfg.qsa_layers[0]]["self_attn"]
+    params = jax.tree.map(lambda x: x * 30, params)
     t = 160
     u = u_of(1, t, seed=8)
     _, _, _, _, q_index, raw = project(params, cfg, u, jnp.arange(t)[None])
