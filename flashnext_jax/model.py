@@ -22,6 +22,7 @@ from .layers import linear
 from .moe import moe_forward
 from .ple import ple_forward
 from .qsa import qsa_forward
+from .qsa_paged import qsa_paged_forward
 
 
 @struct.dataclass
@@ -87,7 +88,8 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     caller decides where states live: `forward_hidden` slices a dense `State`, the runner passes per-row states
     gathered from the store. With `ends` [B, K1] (token counts) the GDN and PLE states come back per checkpoint
     column (a leading K1 axis after the row axis) instead of after each row's last valid token; the QSA caches
-    always come back whole, with this step's keys written at `positions`.
+    always come back whole, with this step's keys written at `positions`. A QSA layer given `qsa_pages` (a
+    `qsa_paged.PagedKV`) instead of dense caches reads and writes the store's pages and returns the PagedKV.
     """
     new = {}
     if layer in cfg.ple_layers:
@@ -99,6 +101,8 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     if cfg.layer_types[layer] == GDN:
         y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
                                                          layer_state["gdn_rec"], valid, n_valid, ends)
+    elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
+        y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid, layer_state["qsa_pages"])
     else:
         cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
         y, (new["kv_k"], new["kv_v"], new["kv_index"]) = qsa_forward(lp["self_attn"], cfg, u, positions, valid,

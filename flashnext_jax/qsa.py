@@ -29,6 +29,47 @@ def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid:
     return cache.at[rows, pos].set(new.astype(cache.dtype), mode="drop")
 
 
+def block_keys(p: dict, cfg: ModelConfig, raw, blocks):
+    """Compressed block keys [B, N, dI] from the raw index keys of N complete blocks raw [B, N, ratio, dI] with
+    block numbers blocks [N]: RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back)."""
+    pooled = jnp.mean(raw.astype(jnp.float32), axis=2).astype(raw.dtype)
+    pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(blocks * cfg.indexer_compress_ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
+    return apply_rope(pooled, cos, sin)
+
+
+def block_scores(q_index, keys):
+    """Indexer scores [B, T, N] = sum_h relu(<qI_h, kbar_n>) / sqrt(dI), fp32; q_index [B, T, nI, dI]."""
+    scores = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32), keys.astype(jnp.float32),
+                        precision="highest")
+    return jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
+
+
+def project(p: dict, cfg: ModelConfig, u, positions):
+    """The layer's per-token projections: q [B, T, nh, hd] (normed, roped), gate [B, T, nh*hd], k (normed, roped) and
+    v [B, T, kv, hd], and with the indexer on, q_index [B, T, nI, dI] (normed, roped) and the raw index key
+    [B, T, dI] (what the cache holds); both None when QSA is off."""
+    bsz, t, _ = u.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg, k, v = linear_group(u, p, ("q_proj", "k_proj", "v_proj"))
+    qg = qg.reshape(bsz, t, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, nh * hd)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k.reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(bsz, t, nkv, hd)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    k = apply_rope(k, cos[:, :, None], sin[:, :, None])
+    if not cfg.qsa_enabled:
+        return q, gate, k, v, None, None
+    ni, di = cfg.indexer_n_heads, cfg.indexer_head_dim
+    qk_index = linear(u, p["indexer"]["index_qk_proj"])
+    q_index = rms_norm(qk_index[..., : ni * di].reshape(bsz, t, ni, di), p["indexer"]["q_layernorm"],
+                       cfg.rms_norm_eps)
+    q_index = apply_rope(q_index, cos[:, :, None], sin[:, :, None])
+    return q, gate, k, v, q_index, qk_index[..., ni * di :]
+
+
 def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
     """Allowed-key mask [B, T, L] from the indexer (causal AND selected blocks OR tail).
 
@@ -37,14 +78,8 @@ def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
     bsz, length, d = index_cache.shape
     ratio = cfg.indexer_compress_ratio
     nblocks = length // ratio
-    pooled = jnp.mean(index_cache[:, : nblocks * ratio].reshape(bsz, nblocks, ratio, d).astype(jnp.float32), axis=2)
-    pooled = rms_norm(pooled.astype(index_cache.dtype), p["k_layernorm"], cfg.rms_norm_eps)
-    cos, sin = rope_cos_sin(jnp.arange(nblocks) * ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
-    block_keys = apply_rope(pooled, cos, sin)  # [B, nblocks, dI]
-
-    scores = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32), block_keys.astype(jnp.float32),
-                        precision="highest")
-    scores = jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(d))  # [B, T, nblocks]
+    raw = index_cache[:, : nblocks * ratio].reshape(bsz, nblocks, ratio, d)
+    scores = block_scores(q_index, block_keys(p, cfg, raw, jnp.arange(nblocks)))  # [B, T, nblocks]
     complete = (jnp.arange(nblocks)[None, None, :] + 1) * ratio <= positions[..., None] + 1
     k = min(cfg.block_topk, nblocks)
     top_val, top_idx = jax.lax.top_k(jnp.where(complete, scores, -jnp.inf), k)
@@ -74,26 +109,13 @@ def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache):
     k_cache, v_cache, index_cache = cache
     length = k_cache.shape[1]
 
-    qg, k, v = linear_group(u, p, ("q_proj", "k_proj", "v_proj"))
-    qg = qg.reshape(bsz, t, nh, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, nh * hd)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = v.reshape(bsz, t, nkv, hd)
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
-    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-    k = apply_rope(k, cos[:, :, None], sin[:, :, None])
+    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions)
     k_cache = _scatter_rows(k_cache, k, positions, valid)
     v_cache = _scatter_rows(v_cache, v, positions, valid)
 
     key_pos = jnp.arange(length)
     if cfg.qsa_enabled:
-        ni, di = cfg.indexer_n_heads, cfg.indexer_head_dim
-        qk_index = linear(u, p["indexer"]["index_qk_proj"])
-        q_index = rms_norm(qk_index[..., : ni * di].reshape(bsz, t, ni, di), p["indexer"]["q_layernorm"],
-                           cfg.rms_norm_eps)
-        q_index = apply_rope(q_index, cos[:, :, None], sin[:, :, None])
-        index_cache = _scatter_rows(index_cache, qk_index[..., ni * di :], positions, valid)
+        index_cache = _scatter_rows(index_cache, k_index, positions, valid)
         allowed = selection_mask(p["indexer"], cfg, q_index, index_cache, positions)
     else:
         allowed = key_pos[None, None, :] <= positions[..., None]

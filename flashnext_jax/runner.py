@@ -1,14 +1,15 @@
 """The real model behind the engine's ModelRunner protocol (docs/engine-design.md, section 5).
 
 `RealRunner(model, num_speculative_tokens)` wraps a loaded `api.Model`. Its pure `step` gathers each live row's
-state through the `state_store` helpers (slot id -> committed column, page table -> per-token K/V/index entries),
-builds the dense per-row K/V layout `model.forward` uses (KV length = the step's page-table width, a power-of-two
-bucket), runs `model.decoder_layer` (the same layer code as `model.forward`) with checkpoint columns (GDN
-recurrent/conv, PLE conv and n-gram context, the MTP hyper input after each of the last K1 = k + 1 row tokens),
-scatters the new tokens' K/V/index entries back into the row's pages and the columns into the row's slot, and
+state through the `state_store` helpers (slot id -> committed column), runs `model.decoder_layer` (the same layer
+code as `model.forward`) with checkpoint columns (GDN recurrent/conv, PLE conv and n-gram context, the MTP hyper
+input after each of the last K1 = k + 1 row tokens), writes the columns into the row's slot, and
 returns target logits and MTP draft logits at the tail. Where the GDN Pallas kernels run (`gdn.uses_kernels`), the
 recurrent state is the exception: it is never gathered, the kernels read and write the store leaf by slot id and
-layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched.
+layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched. The QSA layers read
+and write their K/V/index pages in place through the page tables (`qsa_paged.PagedKV`: the step's entries first,
+then only the indexer's chosen blocks and the tail); with `paged_qsa=False` (the oracle) the step instead builds
+the dense per-row K/V layout of `model.forward` (length = the page-table width) and scatters the new entries back.
 
 MTP bookkeeping (one position behind the main model): the MTP cache entry of pair (h_{q-1}, e_q) is computed at
 RoPE position q-1 (exactly as `Model.mtp_logits`) but stored at page position q, so every write stays inside the
@@ -27,6 +28,7 @@ from .gdn import StoreRecState, uses_kernels
 from .model import decoder_layer, embed, final_logits, layer_state_index
 from .mtp import mtp_forward
 from .ple import gather_rows
+from .qsa_paged import SCORE_TILE_ELEMENTS, PagedKV
 from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
 
 _PAGES = {"kv_k": "qsa_k", "kv_v": "qsa_v", "kv_index": "qsa_index"}  # State field -> store page leaf
@@ -40,7 +42,8 @@ def _take_tokens(a: jax.Array, idx: jax.Array) -> jax.Array:
 class RealRunner:
     """ModelRunner for Qwen3.8-Flash-Next (`api.Model`). k = MTP draft tokens per step (0 = no MTP work at all)."""
 
-    def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None):
+    def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None,
+                 paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS):
         cfg = model.cfg
         if num_speculative_tokens and not model.has_mtp:
             raise ValueError("speculative decoding needs MTP tensors; this checkpoint has none")
@@ -56,6 +59,9 @@ class RealRunner:
         self.hasher = model.hasher
         self.n_gdn, self.n_qsa, self.n_ple = len(cfg.gdn_layers), len(cfg.qsa_layers), len(cfg.ple_layers)
         self._ple_width = None
+        # QSA layers read the pages in place (qsa_paged.py) unless paged_qsa=False (the dense per-row oracle)
+        self.paged_qsa = bool(paged_qsa and cfg.qsa_enabled and self.n_qsa)
+        self.qsa_score_elements = int(qsa_score_elements)
 
     # ---- protocol: what a request needs
     def store_spec(self) -> StoreSpec:
@@ -136,9 +142,14 @@ class RealRunner:
 
         # every state leaf as [B, layer-of-kind, ...], under the State field names decoder_layer reads
         rows_state = {name: st[name] for name in ("gdn_conv", "gdn_rec", "ple_conv") if name in st}
-        rows_state |= {name: dense(page) for name, page in _PAGES.items()}
-        L = rows_state["kv_k"].shape[2]
+        L = -(-batch.page_table.shape[1] * store.page["qsa_k"].shape[1] // ratio) * ratio
         qpos = jnp.minimum(positions, L - 1)
+        paged = self.paged_qsa and store.page["qsa_k"].shape[1] % ratio == 0  # blocks must not straddle pages
+        if paged:
+            pages = PagedKV(store.page["qsa_k"], store.page["qsa_v"], store.page["qsa_index"], batch.page_table,
+                            wvalid, 0, self.qsa_score_elements)
+        else:
+            rows_state |= {name: dense(page) for name, page in _PAGES.items()}
 
         # ---- decoder layers: GDN/PLE states come back per checkpoint column, K/V caches whole (keep the new tokens)
         x = jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
@@ -149,9 +160,13 @@ class RealRunner:
             layer_state = {name: rows_state[name][:, i] for name, i in index.items() if name in rows_state}
             if in_place and "gdn_rec" in index:
                 layer_state["gdn_rec"] = rec._replace(layer=index["gdn_rec"])
+            if paged and "kv_k" in index:
+                layer_state["qsa_pages"] = pages._replace(layer=index["kv_k"])
             x, layer_state = decoder_layer(lp, cfg, layer, x, ple_rows, positions, valid, n_valid, layer_state, ends)
             if in_place and "gdn_rec" in layer_state:
                 rec = layer_state.pop("gdn_rec")
+            if "qsa_pages" in layer_state:
+                pages = layer_state.pop("qsa_pages")
             for name, a in layer_state.items():
                 new[name].append(_take_tokens(a, qpos) if name in _PAGES else a)
         hyper = x  # [B, T, S*H] pre-final-mixer
@@ -165,8 +180,12 @@ class RealRunner:
         h_tail = _take_tokens(hyper, tail)  # [B, K1, S*H]
         logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
 
-        for name, page in _PAGES.items():
-            store = write_pages(store, page, batch.page_table, positions, wvalid, new[name])
+        if paged:  # already written in place, layer by layer
+            store = dataclasses.replace(store, page={**store.page, "qsa_k": pages.k, "qsa_v": pages.v,
+                                                     "qsa_index": pages.index})
+        else:
+            for name, page in _PAGES.items():
+                store = write_pages(store, page, batch.page_table, positions, wvalid, new[name])
 
         if k:
             cols["mtp_h"] = h_tail

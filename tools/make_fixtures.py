@@ -731,13 +731,84 @@ def check_tokenizer_parity(tok, prompts):
     print("tokenizer parity ok:", names)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Long-prompt references (issue 14, `--long`): decode after a long prompt where the QSA budget binds
+# --------------------------------------------------------------------------------------------------------------
+LONG_LENGTHS = {"long_600": 600, "long_1500": 1500}  # tiny budget 16 (ratio 4): sparse from 20 visible tokens
+LONG_NEW_TOKENS = 16
+# Thousands of top-k decisions per run: the short prompts' 1e-4 margins are rarely all met. 1e-5 still leaves 10x
+# the ~1e-6 relative difference between two correct fp32 implementations (notes, item 10).
+LONG_MARGINS = dict(moe_rel_gap=1e-5, qsa_gap=1e-5, logit_gap=MARGIN_LOGIT)
+
+
+@torch.no_grad()
+def make_long_references(out_stem: Path = FIX_DIR / "reference_long", tries: int = 10):
+    """Greedy continuations of long random prompts by transformers, loading tests/fixtures/tiny_causal as it is on
+    disk (so this can simply be re-run after the weights change). Per length, the first prompt seed whose
+    teacher-forced run passes every margin check (MoE, QSA block top-k, greedy logit gap: LONG_MARGINS) is kept."""
+    import hashlib
+    model = load_causal(CAUSAL_DIR)
+    weights_sha = hashlib.sha256((CAUSAL_DIR / "model.safetensors").read_bytes()).hexdigest()
+    arrays, meta = {}, {}
+    for tag, n in LONG_LENGTHS.items():
+        for prompt_seed in range(tries):
+            ids = np.random.default_rng([n, prompt_seed]).integers(0, EOS_ID, n).tolist()
+            t0 = time.time()
+            outs, stats, ok = reference_runs_long(model, ids)
+            print(f"{tag} prompt seed {prompt_seed}: ok={ok} {json.dumps(stats)} t={time.time() - t0:.0f}s",
+                  flush=True)
+            if ok:
+                break
+        else:
+            raise SystemExit(f"{tag}: no prompt seed passed the margin checks")
+        arrays.update({f"{tag}/{k}": v for k, v in outs.items()})
+        meta[tag] = {"n_tokens": n, "prompt_seed": prompt_seed, "margins": stats}
+    np.savez_compressed(out_stem.with_suffix(".npz"), **arrays)
+    info = {"generator": "tools/make_fixtures.py --long", "checkpoint": str(CAUSAL_DIR.relative_to(ROOT)),
+            "checkpoint_sha256": weights_sha, "transformers": __import__("transformers").__version__,
+            "torch": torch.__version__, "max_new_tokens": LONG_NEW_TOKENS, "margin_thresholds": LONG_MARGINS,
+            "prompts": meta,
+            "keys": {"<p>/ids": "int32 [T] prompt (random ids below EOS, numpy default_rng([T, prompt_seed]))",
+                     "<p>/generated": f"int32 [{LONG_NEW_TOKENS}] greedy new tokens (generate, use_cache=True)",
+                     "<p>/generated_logits": f"float32 [{LONG_NEW_TOKENS}, vocab] logits at each greedy step"}}
+    out_stem.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
+    print("wrote", out_stem.with_suffix(".npz"), out_stem.with_suffix(".json"))
+
+
+def reference_runs_long(model, ids):
+    """reference_runs for one long prompt with LONG_NEW_TOKENS new tokens (no full-prompt logits kept)."""
+    x = torch.tensor([ids])
+    gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=LONG_NEW_TOKENS,
+                         min_new_tokens=LONG_NEW_TOKENS, use_cache=True, eos_token_id=[EOS_ID], pad_token_id=EOS_ID,
+                         top_k=None, top_p=None, temperature=None, output_logits=True, return_dict_in_generate=True)
+    new = gen.sequences[0, len(ids):].tolist()
+    gen_logits = torch.stack([l[0] for l in gen.logits]).float()
+    cap = Capture(model)
+    flog = model(torch.tensor([ids + new[:-1]]), use_cache=False).logits[0].float()
+    cap.close()
+    stats = {}
+    check_margins(cap, flog, len(ids), stats, "run")
+    tf_greedy = flog[len(ids) - 1:].argmax(-1).tolist()
+    stats = stats["run"]
+    stats["teacher_forced_matches_generate"] = tf_greedy == new
+    stats["eos_argmax_steps"] = [i for i, t in enumerate(tf_greedy) if t in (EOS_ID, EOS_ID + 2)]
+    ok = all(stats[k] is None or stats[k] >= v for k, v in LONG_MARGINS.items())
+    ok = ok and tf_greedy == new and not stats["eos_argmax_steps"] and stats["own_block_dropped"] > 0
+    return (dict(ids=np.array(ids, np.int32), generated=np.array(new, np.int32),
+                 generated_logits=gen_logits.numpy().astype(np.float32)), stats, ok)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=MODEL_SEED, help=f"model seed (default {MODEL_SEED})")
     ap.add_argument("--search", action="store_true", help="search seeds from --first-seed until all margins pass")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--max-tries", type=int, default=60)
+    ap.add_argument("--long", action="store_true", help="only the long-prompt references (reference_long.*) from "
+                    "the tiny_causal checkpoint on disk")
     args = ap.parse_args()
+    if args.long:
+        return make_long_references()
     t0 = time.time()
     tok = build_tokenizer()
     prompts = make_prompts(tok)

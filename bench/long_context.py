@@ -1,0 +1,130 @@
+"""Long context end to end (issue 14): TTFT and decode ms/step of the real engine at 4K-262K-token prompts.
+
+The real config with random weights in the INT4-Mixed scheme and ALL 512 routed experts (`decode_step.build`,
+~67 GB), `LLM` over `RealRunner` (sparse QSA straight from the pages, qsa_paged.py), chunked prefill of
+`--chunk` tokens (8192), page size 64, B=1, greedy. Random PLE rows as in bench/engine_step.py (no n-gram table
+at this size). Per prompt length: a first request (its TTFT, and how many XLA compiles ran inside it), then a
+second request of the same length (TTFT, then `--decode-steps` decode steps timed one by one: median ms/step) and
+the device's peak memory. Writes bench/results/long_context.json (or $OUT/...) with the issue's `summary` keys.
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/long_context.py      # one H200
+  LONG_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/long_context.py --out /tmp/lc.json  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import decode_step
+from bench.engine_step import RandomPleRunner
+from bench.results_io import save_result
+from flashnext_jax import api
+from flashnext_jax.config import from_hf_config
+from flashnext_jax.llm import LLM
+from flashnext_jax.sampling import SamplingParams
+
+SMOKE = bool(os.environ.get("LONG_BENCH_SMOKE"))
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: _COMPILES.append(secs) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def peak_gb():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 1e9 or None
+
+
+def one_request(lm, prompt, decode_steps: int) -> dict:
+    """Step the engine for one request: TTFT (add -> first token), compiles inside it, decode step times."""
+    n_compiles = len(_COMPILES)
+    t0 = time.perf_counter()
+    req = lm._add(prompt, SamplingParams(max_tokens=1 + decode_steps, temperature=0.0, ignore_eos=True))
+    ttft, steps = None, []
+    while not req.finished:
+        ts = time.perf_counter()
+        lm.engine.step()
+        if ttft is None and req.output:
+            ttft = time.perf_counter() - t0
+            first_compiles = len(_COMPILES) - n_compiles
+        elif ttft is not None:
+            steps.append(time.perf_counter() - ts)
+    return dict(ttft_s=ttft, compiles_before_first_token=first_compiles,
+                decode_ms=statistics.median(steps) * 1e3 if steps else None, decode_steps=len(steps))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=512, help="routed experts kept (real: 512)")
+    ap.add_argument("--lengths", default="4096,32768,131072,262144")
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
+        cfg = from_hf_config(json.load(f))
+    cfg = dataclasses.replace(cfg, num_experts=min(args.experts, cfg.num_experts))
+    lengths = [64, 160] if SMOKE else [int(n) for n in args.lengths.split(",")]
+    chunk, decode = (32, 3) if SMOKE else (args.chunk, args.decode_steps)
+    print(f"{jax.devices()[0].device_kind} jax {jax.__version__} experts={cfg.num_experts} chunk={chunk}", flush=True)
+    t0 = time.perf_counter()
+    params, _, _ = decode_step.build(cfg, jax.random.key(0))
+    jax.block_until_ready(params)
+    print(f"built params in {time.perf_counter() - t0:.1f} s, peak {peak_gb()} GB", flush=True)
+    model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+
+    n0, t0 = len(_COMPILES), time.perf_counter()
+    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=1, max_num_batched_tokens=chunk, page_size=args.page_size,
+             max_model_len=max(lengths) + decode + 64)
+    startup = dict(startup_s=time.perf_counter() - t0, startup_compiles=len(_COMPILES) - n0,
+                   startup_compile_s=sum(_COMPILES[n0:]))
+    print(startup, flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in lengths:
+        row = dict(prompt_tokens=n)
+        try:
+            first = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), 0)
+            second = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), decode)
+            row.update(ttft_first_s=first["ttft_s"], compiles_in_first_request=first["compiles_before_first_token"],
+                       ttft_s=second["ttft_s"], compiles_in_second_request=second["compiles_before_first_token"],
+                       decode_ms=second["decode_ms"], decode_steps=second["decode_steps"], peak_mem_gb=peak_gb())
+        except Exception as e:  # noqa: BLE001  (an OOM at one length must not hide the others)
+            row["error"] = repr(e)[:400]
+        print(row, flush=True)
+        rows.append(row)
+
+    by = {r["prompt_tokens"]: r for r in rows}
+    key = {4096: "4k", 32768: "32k", 131072: "128k", 262144: "262k"}
+    summary = {f"ttft_s_{key[n]}": by.get(n, {}).get("ttft_s") for n in key}
+    summary |= {f"decode_ms_{key[n]}": by.get(n, {}).get("decode_ms") for n in key}
+    ratio = lambda a, b: a / b if a and b else None
+    summary |= dict(decode_128k_over_4k=ratio(summary["decode_ms_128k"], summary["decode_ms_4k"]),
+                    first_over_second_ttft_32k=ratio(by.get(32768, {}).get("ttft_first_s"), summary["ttft_s_32k"]),
+                    peak_mem_gb_262k=by.get(262144, {}).get("peak_mem_gb"),
+                    startup_compile_s=startup["startup_compile_s"], device=jax.devices()[0].device_kind,
+                    jax_version=jax.__version__, date=time.strftime("%Y-%m-%d", time.gmtime()))
+    path = save_result("long_context.json", rows, args.out, summary=summary, smoke=SMOKE, chunk=chunk,
+                       page_size=args.page_size, experts=cfg.num_experts, **startup)
+    print(f"wrote {path}\n{'tokens':>8} {'TTFT 1st s':>10} {'TTFT s':>8} {'compiles 1st':>12} {'decode ms':>9} "
+          f"{'peak GB':>8}")
+    for r in rows:
+        f = lambda k, w, p: f"{r[k]:{w}.{p}f}" if isinstance(r.get(k), (int, float)) else f"{'-':>{w}}"
+        print(f"{r['prompt_tokens']:8d} {f('ttft_first_s', 10, 2)} {f('ttft_s', 8, 2)} "
+              f"{f('compiles_in_first_request', 12, 0)} {f('decode_ms', 9, 2)} {f('peak_mem_gb', 8, 1)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""QSA straight from the engine's paged store: the indexer's top blocks and the tail, nothing else, per query.
+
+Same selection as `qsa.selection_mask` (the oracle), computed without any per-row dense copy and without a
+[T, L] array (docs/long-context.md):
+1. the step's K, V and raw index keys are written into their pages first, so its own tokens are visible to it;
+2. the indexer scores the row's complete blocks tile by tile (block keys recomputed from the raw keys in the
+   pages, as transformers does) and merges each tile into a running top-k. The running entries come first in
+   each merge and `lax.top_k` prefers the lower position among equal values, so ties go to the lowest block
+   index, exactly as one top-k over all blocks;
+3. attention reads only the chosen blocks and the tail block (the tokens after the last complete one, up to the
+   query itself) from the K/V pages (pallas_kernels/qsa_sparse.py, kernel or reference per the switch).
+Peak temporaries are [T, tile] scores and [query tile, budget] keys: they grow with the chunk, not the context.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import qsa_sparse
+
+from .config import ModelConfig
+from .layers import linear
+from .qsa import block_keys, project
+from .state_store import token_page_index
+
+SCORE_TILE_ELEMENTS = 1 << 24  # scores per tile (T x index heads x blocks, fp32): 64 MiB
+
+
+class PagedKV(NamedTuple):
+    """The store's QSA page leaves as one layer sees them: pools [P + 1, page, n_qsa, ...] (last page = the
+    poisoned null page), the rows' page tables [B, MP], which tokens get written ([B, T]: valid tokens of live
+    rows), this layer's index among the QSA layers and the scoring tile's size in scores (the memory knob)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    page_table: jax.Array
+    write: jax.Array
+    layer: int
+    score_elements: int = SCORE_TILE_ELEMENTS
+
+
+def _page_rows(kv: PagedKV, positions):
+    """(page, row) of absolute positions [B, ...]; unmapped positions read the null page."""
+    shape = positions.shape
+    page, row = token_page_index(kv.page_table, positions.reshape(shape[0], -1), kv.k.shape[1])
+    page = jnp.where(page >= 0, page, kv.k.shape[0] - 1)
+    return page.reshape(shape), row.reshape(shape)
+
+
+def _write(pool, kv: PagedKV, positions, values):
+    page, row = token_page_index(kv.page_table, positions, pool.shape[1])
+    page = jnp.where(kv.write & (page >= 0), page, pool.shape[0])  # out of range: dropped
+    return pool.at[page, row, kv.layer].set(values.astype(pool.dtype), mode="drop")
+
+
+def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, elements: int) -> int:
+    """Blocks per scoring tile: a power of two with batch x tokens x heads x tile <= elements (at least 1)."""
+    tile = max(1, elements // max(1, batch * tokens * index_heads))
+    tile = 1 << (tile.bit_length() - 1)
+    return min(tile, max(1, n_blocks))
+
+
+def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
+    """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool)."""
+    b, t = positions.shape
+    ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
+    n_blocks = kv.page_table.shape[1] * kv.index.shape[1] // ratio
+    tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, kv.score_elements)
+    n_complete = (positions + 1) // ratio
+
+    def merge(carry, first):
+        vals, idx = carry
+        blocks = first + jnp.arange(tile)
+        page, row = _page_rows(kv, jnp.broadcast_to((blocks[:, None] * ratio + jnp.arange(ratio)).reshape(-1),
+                                                    (b, tile * ratio)))
+        raw = kv.index[page, row, kv.layer].reshape(b, tile, ratio, -1)
+        scores = qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks), n_complete, first)
+        vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), top)  # running entries first: ties
+        idx = jnp.take_along_axis(jnp.concatenate([idx, jnp.broadcast_to(blocks, (b, t, tile))], -1), pick, -1)
+        return (vals, idx), None
+
+    init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
+    firsts = jnp.arange(-(-n_blocks // tile), dtype=jnp.int32) * tile
+    (vals, idx), _ = jax.lax.scan(merge, init, firsts)
+    return idx, jnp.isfinite(vals)
+
+
+def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *, query_tile: int = 128):
+    """One QSA layer over the paged store. u [B, T, H]; positions, valid [B, T]. Returns (y [B, T, H], kv with
+    this step's K/V/index entries written into its pools)."""
+    ratio, page_size = cfg.indexer_compress_ratio, kv.k.shape[1]
+    if not cfg.qsa_enabled or page_size % ratio:
+        raise ValueError(f"paged QSA needs the indexer and a page size that is a multiple of the block ratio "
+                         f"({ratio}); got page size {page_size}")
+    bsz, t, _ = u.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions)
+    kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
+                     index=_write(kv.index, kv, positions, k_index))
+
+    idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions)
+    n_complete = (positions + 1) // ratio
+    blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)  # the chosen blocks, then the tail block
+    length = jnp.concatenate([jnp.where(chosen, ratio, 0), ((positions + 1) % ratio)[..., None]], axis=-1)
+    # never past the row's last written key (padding queries), as the dense path's `written` mask
+    last = jnp.max(jnp.where(valid, positions, -1), axis=1)
+    length = jnp.clip(jnp.minimum(length, last[:, None, None] - blocks * ratio + 1), 0, ratio)
+    page, row = _page_rows(kv, blocks * ratio)
+
+    qh = q.reshape(bsz, t, nkv, nh // nkv, hd)
+    out = qsa_sparse.sparse_attention(qh, kv.k, kv.v, kv.layer, page, row, length, ratio=ratio,
+                                      query_tile=query_tile)
+    out = out.astype(u.dtype).reshape(bsz, t, nh * hd) * jax.nn.sigmoid(gate)
+    return linear(out, p["o_proj"]), kv
+
+
+__all__ = ["PagedKV", "qsa_paged_forward", "select_blocks", "score_tile_blocks", "SCORE_TILE_ELEMENTS"]
