@@ -187,12 +187,12 @@ def plot_losses(log: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=260)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--mtp-weight", type=float, default=0.5)
-    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=130)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--fixtures-python", default="/work/venvfx/bin/python",
                     help="Python with torch + transformers that runs tools/make_fixtures.py --trained OUT")
