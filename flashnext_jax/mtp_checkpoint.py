@@ -121,7 +121,7 @@ def write_mtp(checkpoint_dir: str | Path, cfg: ModelConfig, head: dict) -> list[
                 new = _value_for(name, canonical, cfg)
                 if new.shape != tensors[name].shape:
                     raise ValueError(f"{name}: new shape {new.shape} != checkpoint {tensors[name].shape}")
-                tensors[name] = new.astype(tensors[name].dtype)
+                tensors[name] = np.ascontiguousarray(new.astype(tensors[name].dtype))  # astype keeps strides
             save_file(tensors, str(stage / fname), metadata={"format": "pt"})
         for sub in [e for e in path.iterdir() if e.is_dir()]:  # keep any sub-directories (e.g. a nested README dir)
             shutil.copytree(sub, stage / sub.name)
