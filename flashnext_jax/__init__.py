@@ -10,3 +10,18 @@ from .llm import LLM, RequestOutput  # noqa: E402
 from .sampling import SamplingParams, TokenLogprob  # noqa: E402
 
 __all__ += ["LLM", "SamplingParams", "RequestOutput", "TokenLogprob"]
+
+__all__ += ["train_mtp", "mtp_acceptance", "write_mtp"]
+
+
+def __getattr__(name: str):
+    """MTP-head training (optax) is imported on first use: `flashnext_jax.train_mtp(model, texts, ...)`."""
+    if name in ("train_mtp", "mtp_acceptance"):
+        from . import training
+
+        return getattr(training, name)
+    if name == "write_mtp":
+        from .mtp_checkpoint import write_mtp
+
+        return write_mtp
+    raise AttributeError(f"module 'flashnext_jax' has no attribute {name!r}")

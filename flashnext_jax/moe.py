@@ -41,7 +41,26 @@ def routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down):
     return out
 
 
+def routed_experts_dense(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """Same sum as `routed_experts_reference` (up to the order of the additions), computed by running every
+    expert on every token and weighting with the sparse [M, E] routing matrix: no weight gather, so its gradient
+    needs no scatter. For training (flashnext_jax.training): 7x faster forward + backward on CPU at the demo size."""
+    inter = w_down.shape[-2]
+    m = x.shape[0]
+    combine = jnp.zeros((m, w_gate_up.shape[0]), jnp.float32).at[jnp.arange(m)[:, None], expert_ids].add(
+        expert_weights.astype(jnp.float32))
+    gu = jnp.einsum("mh,ehn->men", x, w_gate_up, precision="highest")
+    act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+    return jnp.einsum("mei,eih,me->mh", act, w_down, combine.astype(x.dtype), precision="highest").astype(x.dtype)
+
+
+# Set by flashnext_jax.training while tracing a loss: plain-array experts then go through routed_experts_dense.
+TRAINING_DENSE_EXPERTS = False
+
+
 def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down):
+    if isinstance(w_gate_up, jax.Array) and TRAINING_DENSE_EXPERTS:
+        return routed_experts_dense(x, expert_ids, expert_weights, w_gate_up, w_down)
     if isinstance(w_gate_up, jax.Array):
         return routed_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down)
     from pallas_kernels.moe_matmul import routed_experts as kernel  # quantized experts

@@ -29,8 +29,8 @@ def output_ids(proc):
 
 
 def test_generate_samples_reproducibly_and_mtp_keeps_the_output():
-    """Seeded sampling gives the same tokens twice and other tokens with another seed; MTP (demo head: random, so
-    drafts are mostly rejected) leaves the greedy output unchanged, and a seeded MTP run repeats itself (its
+    """Seeded sampling gives the same tokens twice and other tokens with another seed; MTP (trained demo head: a
+    mix of accepted and rejected drafts) leaves the greedy output unchanged, and a seeded MTP run repeats itself (its
     rejection sampling draws from other streams than plain sampling: the same distribution, not the same tokens)."""
     base = ["generate", "--token-ids", "5,17,230,41", "--max-new-tokens", "6", "--dtype", "float32"]
     sampled = base + ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.95"]
