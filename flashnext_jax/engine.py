@@ -122,10 +122,10 @@ def with_device_sampling(step: Callable) -> Callable:
     `logprobs` (static: a separate compile, traced only when some row of the step asks for logprobs): also the
     log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob", "logits_sample_logprob") and the
     MAX_LOGPROBS most likely tokens of every position ("logits_top_ids", "logits_top_logprobs")."""
-    def run(params, store, batch, sampling_inputs=None, logprobs=False):
+    def run(params, store, batch, sampling_inputs=None, logprobs=False, *stage_inputs):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
-        store, out = step(params, store, batch)
+        store, out = step(params, store, batch, *stage_inputs)  # stage_inputs: a last pipeline stage's hidden in
         out = dict(out)
         for name in ("logits", "draft_logits"):
             out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
@@ -149,6 +149,8 @@ def jitted_step(runner: ModelRunner) -> tuple[Callable, set, CompileAhead]:
     """The runner's jitted step (one per runner, shared by its engines), the set of input shapes compiled for it
     (a new shape compiles: about a minute at the real model size, so the engine logs it) and the background
     compiler that compiles shapes before they are needed (compile_ahead.py)."""
+    if hasattr(runner, "pipeline_step"):  # a pipeline (pipeline.py): one jitted step per stage, not one jit here
+        return runner.pipeline_step, runner.shapes_seen, CompileAhead(runner.pipeline_step, runner.shapes_seen)
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
         jitted, shapes = jax.jit(with_device_sampling(runner.step), donate_argnums=(1,), static_argnums=(4,)), set()
@@ -207,6 +209,7 @@ class EngineConfig:
     num_slots: int | None = None  # default: max_num_seqs
     num_snapshots: int = 64
     pipeline_delay: int = 0  # D: a step's sample+commit runs D engine steps after it was launched
+    max_rows_per_step: int | None = None  # a micro-batch's rows (pipeline: max_num_seqs over the stages)
     permute_rows: int | None = None  # seed: shuffle batch rows every step (tests)
     debug: bool = True  # shadow ownership ledger checks every write; stale writes raise
     min_batch_bucket: int = 1  # shape buckets: B and T are powers of two >= these (fewer compilations)
@@ -221,8 +224,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
                  draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
                  row_order: Callable[[int, list[str]], list[int]] | None = None):
-        if not 0 <= cfg.pipeline_delay <= 3:
-            raise ValueError("pipeline_delay must be in 0..3")
+        if not 0 <= cfg.pipeline_delay <= max(3, getattr(runner, "num_stages", 1)):
+            raise ValueError("pipeline_delay must be in 0..max(3, pipeline stages)")
+        if hasattr(runner, "pipeline_step"):  # compile-ahead lowers one jitted step; a pipeline has one per stage
+            cfg = dataclasses.replace(cfg, compile_ahead=False)
         if cfg.num_speculative_tokens > runner.k:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order
@@ -237,10 +242,10 @@ class Engine:
         self.max_pages_per_row = _bucket(mp)
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
-                                  min_capacity=cfg.min_pool_capacity)
+                                  min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
-                                               cfg.block_size), self.ledger)
+                                               cfg.block_size, cfg.max_rows_per_step), self.ledger)
         self._step, self._shapes_seen, self._ahead = jitted_step(runner)
         # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
         # that run at every width as a context grows, so the ones compiled ahead

@@ -76,7 +76,8 @@ class LLM:
     def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
-                 tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int = 0,
+                 tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int | None = None,
+                 pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  **engine_kwargs):
         k = 0
         if speculative_config:
@@ -87,11 +88,18 @@ class LLM:
             if k < 1:
                 raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         self.runner, self.tokenizer = _load(model, dtype, k, tokenizer)
+        if pipeline_parallel_size != 1 or pp_layer_partition is not None:  # stages (pipeline.py, docs/pipeline.md)
+            from .pipeline import make_pipeline
+
+            self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition)
+            # up to one micro-batch per stage in flight: commits trail launches by stages - 1 steps
+            pipeline_delay = self.runner.num_stages - 1 if pipeline_delay is None else pipeline_delay
+            engine_kwargs.setdefault("max_rows_per_step", -(-max_num_seqs // self.runner.num_stages))
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, num_speculative_tokens=k,
                            enable_prefix_caching=enable_prefix_caching, block_size=block_size,
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
-                           pipeline_delay=pipeline_delay, **engine_kwargs)
+                           pipeline_delay=pipeline_delay or 0, **engine_kwargs)
         self.engine = Engine(self.runner, cfg)
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}

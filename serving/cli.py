@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flashnext_jax.stages import add_pipeline_arguments, pipeline_kwargs
+
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -19,6 +21,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens (0 = off)")
+    add_pipeline_arguments(p)
     p.add_argument("--compilation-cache", default=None,
                    help="directory of JAX's persistent compilation cache, so a restarted server does not compile "
                         "its step shapes again (about a minute each at the real model size); default: "
@@ -57,7 +60,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.num_speculative_tokens else None
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              block_size=args.block_size, speculative_config=spec, dtype=args.dtype)
+              block_size=args.block_size, speculative_config=spec, dtype=args.dtype, **pipeline_kwargs(args))
     app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
