@@ -38,3 +38,18 @@ def test_bad_partition_is_one_line_error(capsys):
                  "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: layer partition 3,4 sums to 7, the model has 8 layers"], err
+
+
+def test_converted_per_stage_directories_load_as_stages(tmp_path):
+    """flashnext-convert --pp-partition 5,3 writes stage_0/ and stage_1/; both load into a 2-stage pipeline."""
+    from convert import convert
+    from flashnext_jax.api import DEMO_MODEL
+
+    dst = tmp_path / "demo_pp"
+    convert(str(DEMO_MODEL), str(dst), pp_partition=[5, 3], progress=False)
+    assert (dst / "stage_0").is_dir() and (dst / "stage_1").is_dir()
+    one = _generate()
+    two = _generate("--model", str(dst), "--pipeline-parallel-size", "2", "--pp-layer-partition", "5,3", devices=2)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert [x for x in one.stdout.splitlines() if x.startswith("output_token_ids")] == \
+        [x for x in two.stdout.splitlines() if x.startswith("output_token_ids")]
