@@ -31,6 +31,7 @@ from convert import spec as specmod
 from convert.errors import ConvertError
 from convert.ngram import as_table
 from convert.readers import Checkpoint, open_checkpoint
+from flashnext_jax import stages as stages_mod
 from pallas_kernels.quant_layout import QuantizedWeight
 
 FORMAT = "flashnext-converted"
@@ -75,16 +76,12 @@ def _digest(arrays: list[np.ndarray]) -> str:
 
 
 def plan_stages(pp_partition: list[int] | None, num_layers: int) -> list[dict]:
-    parts = pp_partition or [num_layers]
-    if any(p <= 0 for p in parts) or sum(parts) != num_layers:
-        raise ConvertError(f"--pp-partition {','.join(map(str, parts))} must be positive and sum to "
-                           f"num_hidden_layers={num_layers}")
-    stages, start = [], 0
-    for s, n in enumerate(parts):
-        stages.append({"index": s, "dir": f"stage_{s}", "layers": [start, start + n],
-                       "embeddings": s == 0, "head": s == len(parts) - 1, "mtp": s == len(parts) - 1})
-        start += n
-    return stages
+    """flashnext_jax.stages.plan_stages (the engine's StagePlan reads the same layout), errors as ConvertError."""
+    try:
+        return stages_mod.plan_stages(pp_partition, num_layers)
+    except stages_mod.StagePlanError as e:
+        raise ConvertError(f"--pp-partition {','.join(map(str, pp_partition or []))} must be positive and sum to "
+                           f"num_hidden_layers={num_layers} ({e})") from None
 
 
 def stage_of_group(group: str, stages: list[dict]) -> int:

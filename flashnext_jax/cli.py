@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .stages import add_pipeline_arguments, pipeline_kwargs
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -40,7 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
     # one prompt, one context: no background compiles of wider page tables it may never reach (and no wait at
     # exit for one)
     llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=1, compile_ahead=False,
-              speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+              speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
+              **pipeline_kwargs(args))
     prompt = args.token_ids if args.token_ids is not None else llm.tokenizer.encode(args.prompt)
     out = llm.generate(prompt, params)[0]
     if out.error:
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    add_pipeline_arguments(gen)
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="MTP draft tokens per step (0 = off); greedy output is unchanged by it, sampled output keeps "
                           "its distribution")

@@ -131,14 +131,17 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
 
     `prompt_targets` ([B, T] int32, None when no row asks for prompt logprobs): the step runs with
     all_positions=True and returns the raw logprob of each position's next prompt token and the top
-    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden))."""
-    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None):
+    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden)).
+
+    `stage_inputs`: what a last pipeline stage takes besides the batch (the previous stage's hyper state)."""
+    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None,
+            *stage_inputs):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         if prompt_targets is None:
-            store, out = step(params, store, batch)
+            store, out = step(params, store, batch, *stage_inputs)
         else:
-            store, out = step(params, store, batch, all_positions=True)
+            store, out = step(params, store, batch, *stage_inputs, all_positions=True)
         out = dict(out)
         chosen_from = {}
         for name in ("logits", "draft_logits"):
@@ -167,7 +170,11 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
 def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
     """The runner's compiled steps by shape (one StepCache per runner, shared by its engines; a new shape compiles:
     about a minute at the real model size, so the engine logs it) and the background compiler that compiles shapes
-    before they are needed (compile_ahead.py)."""
+    before they are needed (compile_ahead.py). A pipeline (pipeline.py) has one jitted step per stage instead:
+    its PipelineSteps stands in for the StepCache."""
+    if hasattr(runner, "pipeline_step"):
+        steps = runner.steps()
+        return steps, CompileAhead(steps.compile, steps.__contains__)
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
         steps = StepCache(with_device_sampling(runner.step, getattr(runner, "logits", None)), 32)
@@ -229,6 +236,7 @@ class EngineConfig:
     num_slots: int | None = None  # default: max_num_seqs
     num_snapshots: int = 64
     pipeline_delay: int = 0  # D: a step's sample+commit runs D engine steps after it was launched
+    max_rows_per_step: int | None = None  # a micro-batch's rows (pipeline: max_num_seqs over the stages)
     permute_rows: int | None = None  # seed: shuffle batch rows every step (tests)
     debug: bool = True  # shadow ownership ledger checks every write; stale writes raise
     min_batch_bucket: int = 1  # shape buckets: B and T are powers of two >= these (fewer compilations)
@@ -246,8 +254,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
                  draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
                  row_order: Callable[[int, list[str]], list[int]] | None = None):
-        if not 0 <= cfg.pipeline_delay <= 3:
-            raise ValueError("pipeline_delay must be in 0..3")
+        if not 0 <= cfg.pipeline_delay <= max(3, getattr(runner, "num_stages", 1)):
+            raise ValueError("pipeline_delay must be in 0..max(3, pipeline stages)")
+        if hasattr(runner, "pipeline_step"):  # compile-ahead lowers one jitted step; a pipeline has one per stage
+            cfg = dataclasses.replace(cfg, compile_ahead=False)
         if cfg.num_speculative_tokens > runner.k:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order
@@ -262,10 +272,10 @@ class Engine:
         self.max_pages_per_row = _bucket(mp)
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
-                                  min_capacity=cfg.min_pool_capacity)
+                                  min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
-                                               cfg.block_size), self.ledger)
+                                               cfg.block_size, cfg.max_rows_per_step), self.ledger)
         self._steps, self._ahead = jitted_step(runner)
         self._steps.set_limit(cfg.max_compiled_steps)
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache

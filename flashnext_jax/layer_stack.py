@@ -77,6 +77,25 @@ class LayerStack:
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(len(self)))
 
+    def select(self, layers: range) -> "LayerStack":
+        """The stack of layers `layers` only (a pipeline stage's share): each group cut to its members in the range
+        (consecutive within the group, since a group lists its layers in order); groups left empty are dropped."""
+        keep = {}  # group -> (first, stop) member index
+        for layer in layers:
+            g, j = self.where[layer]
+            a, _ = keep.get(g, (j, j))
+            keep[g] = (a, j + 1)
+        order = sorted(keep)
+
+        def cut(x, a, b):
+            if isinstance(x, QuantizedWeight):
+                return dataclasses.replace(x, planes=tuple(p[a:b] for p in x.planes), scales=x.scales[a:b])
+            return x[a:b]
+        groups = tuple(jax.tree.map(lambda x: cut(x, *keep[g]), self.groups[g], is_leaf=_is_quantized) for g in order)
+        where = tuple((order.index(self.where[layer][0]), self.where[layer][1] - keep[self.where[layer][0]][0])
+                      for layer in layers)
+        return LayerStack(groups, where)
+
     def tree_flatten(self):
         return self.groups, self.where
 

@@ -79,12 +79,15 @@ class LLM:
     def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
-                 tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int = 0,
-                 gpu_memory_utilization: float = 0.9, precompile: bool = False, **engine_kwargs):
+                 tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int | None = None,
+                 gpu_memory_utilization: float = 0.9, precompile: bool = False,
+                 pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
+                 **engine_kwargs):
         """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode step shapes now, with a progress
-        bar (Engine.precompile). engine_kwargs: further EngineConfig fields."""
+        bar (Engine.precompile). pipeline_parallel_size / pp_layer_partition: pipeline stages, each on its own
+        device (docs/pipeline.md). engine_kwargs: further EngineConfig fields."""
         k = 0
         if speculative_config:
             method = speculative_config.get("method", "mtp")
@@ -94,11 +97,18 @@ class LLM:
             if k < 1:
                 raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         self.runner, self.tokenizer = _load(model, dtype, k, tokenizer)
+        if pipeline_parallel_size != 1 or pp_layer_partition is not None:  # stages (pipeline.py, docs/pipeline.md)
+            from .pipeline import make_pipeline
+
+            self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition)
+            # up to one micro-batch per stage in flight: commits trail launches by stages - 1 steps
+            pipeline_delay = self.runner.num_stages - 1 if pipeline_delay is None else pipeline_delay
+            engine_kwargs.setdefault("max_rows_per_step", -(-max_num_seqs // self.runner.num_stages))
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, num_speculative_tokens=k,
                            enable_prefix_caching=enable_prefix_caching, block_size=block_size,
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
-                           pipeline_delay=pipeline_delay, gpu_memory_utilization=gpu_memory_utilization,
+                           pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
         self.engine = Engine(self.runner, cfg)
         if precompile:

@@ -62,22 +62,31 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> State:
     )
 
 
-def layer_state_index(cfg: ModelConfig, layer: int) -> dict[str, int]:
+def layer_state_index(cfg: ModelConfig, layer: int, first: int = 0) -> dict[str, int]:
     """The `State` fields decoder layer `layer` owns -> its index along their leading layer-of-kind axis.
 
-    A GDN layer owns gdn_conv/gdn_rec, a QSA layer kv_k/kv_v/kv_index, and a PLE layer also its ple_conv. Both
-    `forward_hidden` (dense State) and the engine's runner (per-row states gathered from the store) use this to
-    hand `decoder_layer` its own slice of the state.
+    A GDN layer owns gdn_conv/gdn_rec, a QSA layer kv_k/kv_v/kv_index, and a PLE layer also its ple_conv. The
+    index is stage-local: it counts only the layers of that kind in [first, layer), so a pipeline stage that
+    starts at layer `first` holds just its own layers' states (first = 0: the whole model).
     """
+    def local(kind_layers):
+        return sum(1 for x in kind_layers if first <= x < layer)
+
     if cfg.layer_types[layer] == GDN:
-        i = cfg.gdn_layers.index(layer)
+        i = local(cfg.gdn_layers)
         index = {"gdn_conv": i, "gdn_rec": i}
     else:
-        i = cfg.qsa_layers.index(layer)
+        i = local(cfg.qsa_layers)
         index = {"kv_k": i, "kv_v": i, "kv_index": i}
     if layer in cfg.ple_layers:
-        index["ple_conv"] = cfg.ple_layers.index(layer)
+        index["ple_conv"] = local(cfg.ple_layers)
     return index
+
+
+def layer_counts(cfg: ModelConfig, layers: range) -> dict[str, int]:
+    """How many GDN, QSA and PLE layers a range of decoder layers holds (a stage's share of the state)."""
+    return {"gdn": sum(1 for x in cfg.gdn_layers if x in layers), "qsa": sum(1 for x in cfg.qsa_layers if x in layers),
+            "ple": sum(1 for x in cfg.ple_layers if x in layers)}
 
 
 def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions, valid, n_valid, layer_state: dict,
@@ -114,19 +123,63 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     return x, new
 
 
+def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, positions, valid, n_valid,
+                  state: dict, ends=None, keep=None):
+    """Decoder layers `layers` (a pipeline stage; range(num_layers) = the whole model) -> (x, new state).
+
+    `layer_params` iterates the params of exactly these layers, in order. `state[name]` has the stage-local
+    layer-of-kind axis first (`layer_state_index(cfg, layer, layers.start)`); `ple_rows` is indexed the same way
+    ([n_ple_local, B, T, E]). The new state comes back in that layout, one entry per layer of the kind, after
+    `keep(name, a)` (default: keep all) trims a layer's output (the engine keeps only this step's K/V tokens).
+    A `gdn_rec` that is a `gdn.StoreRecState` (the engine's in-place kernel path) is threaded through the GDN
+    layers instead: each layer's kernels update the store leaf, and the last leaf comes back as `new["gdn_rec"]`;
+    a `qsa_pages` (`qsa_paged.PagedKV`, the engine's paged K/V/index store) likewise through the QSA layers, each
+    reading and writing its layer of the pages in place, and comes back as `new["qsa_pages"]`.
+    """
+    keep = keep or (lambda name, a: a)
+    rec = state.get("gdn_rec")
+    in_place = rec is not None and not isinstance(rec, jax.Array)
+    pages = state.get("qsa_pages")  # the engine's paged K/V/index store (qsa_paged.PagedKV), threaded like rec
+    new: dict[str, list] = {}
+    for layer, lp in zip(layers, layer_params, strict=True):
+        index = layer_state_index(cfg, layer, layers.start)
+        rows = ple_rows[index["ple_conv"]] if "ple_conv" in index else None
+        layer_state = {name: state[name][i] for name, i in index.items()
+                       if name in state and (name != "gdn_rec" or not in_place)}
+        if in_place and "gdn_rec" in index:
+            layer_state["gdn_rec"] = rec._replace(layer=index["gdn_rec"])
+        if pages is not None and "kv_k" in index:
+            layer_state["qsa_pages"] = pages._replace(layer=index["kv_k"])
+        x, layer_state = decoder_layer(lp, cfg, layer, x, rows, positions, valid, n_valid, layer_state, ends)
+        if in_place and "gdn_rec" in layer_state:
+            rec = layer_state.pop("gdn_rec")
+        if "qsa_pages" in layer_state:
+            pages = layer_state.pop("qsa_pages")
+        for name, a in layer_state.items():
+            new.setdefault(name, []).append(keep(name, a))
+    out = {name: jnp.stack(a) for name, a in new.items()}
+    if in_place:
+        out["gdn_rec"] = rec.leaf
+    if pages is not None:
+        out["qsa_pages"] = pages
+    return x, out
+
+
+def embed_hyper(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embeddings widened to the hc_count-stream hyper state [B, T, S*H] the decoder layers carry."""
+    return jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
+
+
 def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
     """Embeddings through all decoder layers -> (pre-final-mixer hyper state [B, T, S*H], new state)."""
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < batch.n_valid[:, None]
-    x = jnp.tile(embed(params, batch.tokens), (1, 1, cfg.hc_count))
-    for layer, lp in enumerate(params["layers"]):
-        index = layer_state_index(cfg, layer)
-        ple_rows = batch.ple_rows[index["ple_conv"]] if "ple_conv" in index else None
-        layer_state = {name: getattr(state, name)[i] for name, i in index.items()}
-        x, layer_state = decoder_layer(lp, cfg, layer, x, ple_rows, positions, valid, batch.n_valid, layer_state)
-        state = state.replace(**{name: getattr(state, name).at[index[name]].set(a) for name, a in layer_state.items()})
-    return x, state
+    x = embed_hyper(params, cfg, batch.tokens)
+    fields = {f: getattr(state, f) for f in ("gdn_conv", "gdn_rec", "kv_k", "kv_v", "kv_index", "ple_conv")}
+    x, new = decoder_stack(params["layers"], cfg, range(cfg.num_hidden_layers), x, batch.ple_rows, positions, valid,
+                           batch.n_valid, fields)
+    return x, state.replace(**new)
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:

@@ -1,10 +1,12 @@
 """The real model behind the engine's ModelRunner protocol (docs/engine-design.md, section 5).
 
 `RealRunner(model, num_speculative_tokens)` wraps a loaded `api.Model`. Its pure `step` gathers each live row's
-state through the `state_store` helpers (slot id -> committed column), runs `model.decoder_layer` (the same layer
-code as `model.forward`) with checkpoint columns (GDN recurrent/conv, PLE conv and n-gram context, the MTP hyper
-input after each of the last K1 = k + 1 row tokens), writes the columns into the row's slot, and
-returns target logits and MTP draft logits at the tail. Where the GDN Pallas kernels run (`gdn.uses_kernels`), the
+state through the `state_store` helpers (slot id -> committed column), runs `model.decoder_stack` (the same layer
+loop as `model.forward`) with checkpoint columns (GDN recurrent/conv, PLE conv, the MTP hyper input after each of
+the last K1 = k + 1 row tokens), writes the columns into the row's slot, and returns target logits and MTP draft
+logits at the tail. `stage_step` is the same step over a range of layers with that range's store (a pipeline
+stage, docs/pipeline.md); `step` is the one stage holding every layer. Where the GDN Pallas kernels run
+(`gdn.uses_kernels`), the
 recurrent state is the exception: it is never gathered, the kernels read and write the store leaf by slot id and
 layer (`gdn.StoreRecState`), rows that are not live are passed as slot -1 and left untouched. The QSA layers read
 and write their K/V/index pages in place through the page tables (`qsa_paged.PagedKV`: the step's entries first,
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .gdn import StoreRecState, uses_kernels
-from .model import decoder_layer, embed, final_logits, layer_state_index
+from .model import decoder_stack, embed_hyper, final_logits, layer_counts
 from .mtp import mtp_forward
 from .ple import gather_rows
 from .qsa_paged import SCORE_TILE_ELEMENTS, PagedKV
@@ -58,30 +60,52 @@ class RealRunner:
         self.params = model.params  # the n-gram table stays on the host (host_prepare gathers rows)
         self.hasher = model.hasher
         self.n_gdn, self.n_qsa, self.n_ple = len(cfg.gdn_layers), len(cfg.qsa_layers), len(cfg.ple_layers)
+        self.num_layers = cfg.num_hidden_layers
+        self.all_layers = range(cfg.num_hidden_layers)
         self._ple_width = None
         # QSA layers read the pages in place (qsa_paged.py) unless paged_qsa=False (the dense per-row oracle)
         self.paged_qsa = bool(paged_qsa and cfg.qsa_enabled and self.n_qsa)
         self.qsa_score_elements = int(qsa_score_elements)
 
     # ---- protocol: what a request needs
-    def store_spec(self) -> StoreSpec:
+    def store_spec(self, layers: range | None = None) -> StoreSpec:
+        """The state of decoder layers `layers` (a pipeline stage; default: all of them). The MTP leaves belong to
+        the stage holding the last layer (it runs the MTP head)."""
         c, dt = self.cfg, self.dtype
+        layers = self.all_layers if layers is None else layers
+        n = layer_counts(c, layers)
         kv, hd, di = c.num_key_value_heads, c.head_dim, c.indexer_head_dim or 1
         sh = c.hc_count * c.hidden_size
         slot = {
-            "gdn_rec": Leaf((self.n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            "gdn_rec": Leaf((n["gdn"], c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                             jnp.float32, 0),
-            "gdn_conv": Leaf((self.n_gdn, c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dt, 0),
+            "gdn_conv": Leaf((n["gdn"], c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dt, 0),
         }
-        page = {"qsa_k": Leaf((self.n_qsa, kv, hd), dt), "qsa_v": Leaf((self.n_qsa, kv, hd), dt),
-                "qsa_index": Leaf((self.n_qsa, di), dt)}
-        if self.n_ple:
-            slot["ple_ctx"] = Leaf((self.hasher.context_len,), jnp.int32, self.eos_token_id)
-            slot["ple_conv"] = Leaf((self.n_ple, c.ple_conv_state_len, sh), dt, 0)
-        if self.k:
+        page = {"qsa_k": Leaf((n["qsa"], kv, hd), dt), "qsa_v": Leaf((n["qsa"], kv, hd), dt),
+                "qsa_index": Leaf((n["qsa"], di), dt)}
+        if n["ple"]:
+            slot["ple_conv"] = Leaf((n["ple"], c.ple_conv_state_len, sh), dt, 0)
+        if self.k and layers.stop == c.num_hidden_layers:
             slot["mtp_h"] = Leaf((sh,), dt, 0)
             page.update(mtp_k=Leaf((kv, hd), dt), mtp_v=Leaf((kv, hd), dt), mtp_index=Leaf((di,), dt))
         return StoreSpec(slot=slot, page=page)
+
+    # ---- pipeline stages (pipeline.py)
+    def stage_params(self, layers: range) -> dict:
+        """The params a stage over `layers` reads: its layers; stage 0 the embeddings (and the final mixer norm,
+        whose dtype a quantized embedding is cast to); the last stage the rest (final mixer, lm_head, MTP, which
+        embeds its draft tokens)."""
+        p = self.params
+        out = {"layers": p["layers"].select(layers)}
+        if layers.start == 0:
+            out |= {"embed_tokens": p["embed_tokens"], "hyper_connection_mixer": p["hyper_connection_mixer"]}
+        if layers.stop == self.num_layers:
+            out |= {n: v for n, v in p.items() if n != "layers"}
+        return out
+
+    def stage_host_inputs(self, layers: range) -> tuple[str, ...]:
+        """host_prepare outputs a stage reads: the n-gram rows go to the stage holding the PLE layer(s)."""
+        return ("ple_rows",) if any(x in layers for x in self.cfg.ple_layers) else ()
 
     # ---- protocol: host side (PLE n-gram rows; the table never enters the jitted params)
     def host_prepare(self, rows, T: int) -> dict[str, np.ndarray]:
@@ -110,15 +134,25 @@ class RealRunner:
         """The step's "hidden" output [..., S*H] (the pre-final-mixer hyper state) -> fp32 logits [..., V]."""
         return final_logits(params, self.cfg, hidden.astype(self.dtype))
 
-    # ---- protocol: the pure step
+    # ---- protocol: the pure step (one stage holding every layer)
     def step(self, params, store, batch, all_positions: bool = False):
-        cfg, k, dt = self.cfg, self.k, self.dtype
+        return self.stage_step(params, store, batch, None, self.all_layers, all_positions)
+
+    def stage_step(self, params, store, batch, x, layers: range, all_positions: bool = False):
+        """Pipeline stage over decoder layers `layers` with its own store (`store_spec(layers)`).
+
+        The first stage (layers.start == 0) embeds the tokens, every other one takes the previous stage's hyper
+        state `x` [B, T, S*H]; the last stage (layers.stop == num_layers) ends with the final mixer, lm_head and
+        MTP and returns (store, outputs), every other one returns (store, x) for the next stage. all_positions
+        (last stage): the outputs also hold every position's hyper state ("hidden", for prompt logprobs)."""
+        cfg, dt = self.cfg, self.dtype
+        first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         B, T = batch.tokens.shape
         K1 = next(iter(store.slot.values())).shape[1]
         live = live_rows(store, batch.slot, batch.gen)
         # On the kernel path the GDN recurrent state is never gathered: the kernels read each row's committed
         # column and write its checkpoint columns in the store leaf itself, by slot id (stale rows: slot -1).
-        in_place = self.n_gdn > 0 and uses_kernels(dt)
+        in_place = store.slot["gdn_rec"].shape[2] > 0 and uses_kernels(dt)
         st = read_slots(store, batch.slot, live, skip=("gdn_rec",) if in_place else ())
         n_valid, start, tokens = batch.n_valid, batch.start, batch.tokens
         base = jnp.maximum(n_valid - K1, 0)
@@ -130,71 +164,64 @@ class RealRunner:
 
         ratio = cfg.indexer_compress_ratio or 1
 
-        def dense(name):  # paged per-token entries -> [B, n_qsa, L, ...] (L a multiple of the QSA block ratio)
+        def dense(name):  # paged per-token entries -> [n_qsa, B, L, ...] (L a multiple of the QSA block ratio)
             a = read_pages(store, name, batch.page_table)
             pad = (-a.shape[1]) % ratio
             a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) if pad else a
-            return jnp.moveaxis(a, 2, 1)
+            return jnp.moveaxis(a, 2, 0)
 
+        # every state leaf as [layer-of-kind (stage-local), B, ...], under the State field names decoder_layer reads
+        stack_state = {name: jnp.moveaxis(st[name], 1, 0) for name in ("gdn_conv", "gdn_rec", "ple_conv")
+                       if name in st}
         if in_place:
-            rec = StoreRecState(store.slot["gdn_rec"], jnp.where(live, batch.slot, -1),
-                                store.cursor[jnp.clip(batch.slot, 0, store.num_slots)], 0)
-
-        # every state leaf as [B, layer-of-kind, ...], under the State field names decoder_layer reads
-        rows_state = {name: st[name] for name in ("gdn_conv", "gdn_rec", "ple_conv") if name in st}
-        L = -(-batch.page_table.shape[1] * store.page["qsa_k"].shape[1] // ratio) * ratio
+            stack_state["gdn_rec"] = StoreRecState(store.slot["gdn_rec"], jnp.where(live, batch.slot, -1),
+                                                   store.cursor[jnp.clip(batch.slot, 0, store.num_slots)], 0)
+        L = -(-batch.page_table.shape[1] * store.page["qsa_k"].shape[1] // ratio) * ratio  # the dense KV length
         qpos = jnp.minimum(positions, L - 1)
-        paged = self.paged_qsa and store.page["qsa_k"].shape[1] % ratio == 0  # blocks must not straddle pages
-        if paged:
-            pages = PagedKV(store.page["qsa_k"], store.page["qsa_v"], store.page["qsa_index"], batch.page_table,
-                            wvalid, 0, self.qsa_score_elements)
-        else:
-            rows_state |= {name: dense(page) for name, page in _PAGES.items()}
+        has_qsa = store.page["qsa_k"].shape[2] > 0  # a pipeline stage may hold no QSA layer
+        if has_qsa and self.paged_qsa and store.page["qsa_k"].shape[1] % ratio == 0:  # blocks within pages
+            stack_state["qsa_pages"] = PagedKV(store.page["qsa_k"], store.page["qsa_v"], store.page["qsa_index"],
+                                               batch.page_table, wvalid, 0, self.qsa_score_elements)
+        elif has_qsa:
+            stack_state |= {name: dense(page) for name, page in _PAGES.items()}
 
         # ---- decoder layers: GDN/PLE states come back per checkpoint column, K/V caches whole (keep the new tokens)
-        x = jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
-        ple_rows = batch.host["ple_rows"].astype(dt) if self.n_ple else None
-        new = {name: [] for name in rows_state}
-        for layer, lp in enumerate(params["layers"]):
-            index = layer_state_index(cfg, layer)
-            layer_state = {name: rows_state[name][:, i] for name, i in index.items() if name in rows_state}
-            if in_place and "gdn_rec" in index:
-                layer_state["gdn_rec"] = rec._replace(layer=index["gdn_rec"])
-            if paged and "kv_k" in index:
-                layer_state["qsa_pages"] = pages._replace(layer=index["kv_k"])
-            x, layer_state = decoder_layer(lp, cfg, layer, x, ple_rows, positions, valid, n_valid, layer_state, ends)
-            if in_place and "gdn_rec" in layer_state:
-                rec = layer_state.pop("gdn_rec")
-            if "qsa_pages" in layer_state:
-                pages = layer_state.pop("qsa_pages")
-            for name, a in layer_state.items():
-                new[name].append(_take_tokens(a, qpos) if name in _PAGES else a)
-        hyper = x  # [B, T, S*H] pre-final-mixer
-        new = {name: jnp.stack(a, 2) for name, a in new.items()}  # [B, K1 or T, layer-of-kind, ...]
-
-        cols = {name: a for name, a in new.items() if name not in _PAGES}
-        if self.n_ple:
-            c = self.hasher.context_len
-            hist = jnp.concatenate([st["ple_ctx"], tokens], axis=1)  # [B, c + T]
-            cols["ple_ctx"] = jnp.stack([_take_tokens(hist, ends + j) for j in range(c)], axis=-1)  # last c ids
-        h_tail = _take_tokens(hyper, tail)  # [B, K1, S*H]
-        logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
-
-        if paged:  # already written in place, layer by layer
+        if first:
+            x = embed_hyper(params, cfg, tokens)
+        ple_rows = None  # the host-gathered n-gram rows, the same for every PLE layer of the stage
+        if "ple_conv" in st:
+            rows = batch.host["ple_rows"].astype(dt)
+            ple_rows = jnp.broadcast_to(rows[None], (st["ple_conv"].shape[1], *rows.shape))
+        x, new = decoder_stack(params["layers"], cfg, layers, x, ple_rows, positions, valid, n_valid, stack_state,
+                               ends, keep=lambda name, a: _take_tokens(a, qpos) if name in _PAGES else a)
+        rec = new.pop("gdn_rec") if in_place else None
+        pages = new.pop("qsa_pages", None)
+        new = {name: jnp.moveaxis(a, 0, 2) for name, a in new.items()}  # [B, K1 or T, layer-of-kind, ...]
+        if pages is not None:  # the paged path wrote this step's entries in place, layer by layer
             store = dataclasses.replace(store, page={**store.page, "qsa_k": pages.k, "qsa_v": pages.v,
                                                      "qsa_index": pages.index})
-        else:
-            for name, page in _PAGES.items():
+        for name, page in _PAGES.items():
+            if name in new:
                 store = write_pages(store, page, batch.page_table, positions, wvalid, new[name])
+        cols = {name: a for name, a in new.items() if name not in _PAGES}
+        for name, leaf in store.slot.items():  # a stage without layers of a kind: its empty leaves
+            if name not in cols and leaf.shape[2] == 0 and not (in_place and name == "gdn_rec"):
+                cols[name] = jnp.zeros((B, K1, *leaf.shape[2:]), leaf.dtype)
 
-        if k:
-            cols["mtp_h"] = h_tail
-            store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L)
-        else:
-            dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
+        if last:
+            hyper = x  # [B, T, S*H] pre-final-mixer
+            h_tail = _take_tokens(hyper, tail)  # [B, K1, S*H]
+            logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
+            if self.k:
+                cols["mtp_h"] = h_tail
+                store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L)
+            else:
+                dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
         if in_place:
-            store = dataclasses.replace(store, slot={**store.slot, "gdn_rec": rec.leaf})
+            store = dataclasses.replace(store, slot={**store.slot, "gdn_rec": rec})
         store = write_slots(store, batch.slot, live, cols, written_in_place=("gdn_rec",) if in_place else ())
+        if not last:
+            return store, x
         out = {"logits": logits, "draft_logits": dlogits}
         if all_positions:  # every position's hyper state, for logits at every prompt position (self.logits)
             out["hidden"] = hyper

@@ -71,6 +71,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = False
     block_size: int = 16  # prefix-snapshot granularity (independent of the KV page size)
+    # rows per step (a micro-batch) when a pipeline keeps several steps in flight; None = max_num_seqs
+    max_rows_per_step: int | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -122,8 +124,9 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         plans: list[RowPlan] = []
         planned: set[str] = set()
+        rows = self.cfg.max_rows_per_step or self.cfg.max_num_seqs
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if budget <= 0:
+            if budget <= 0 or len(plans) >= rows:
                 break
             if req.inflight or req.finished or req.status is not Status.RUNNING:
                 continue
@@ -139,7 +142,7 @@ class Scheduler:
             budget -= len(plan.tokens)
         # FCFS admission (no preemption on behalf of waiting requests)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                and self.ledger.num_free_slots() > 0:
+                and self.ledger.num_free_slots() > 0 and len(plans) < rows:
             req = self.waiting[0]
             plan = self._admit(req, budget)
             if plan is None:

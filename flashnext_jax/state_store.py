@@ -320,14 +320,27 @@ class StoreLedger:
     so within-commit ordering (capture before release, release before re-allocation) is program order.
     """
 
-    def __init__(self, spec: StoreSpec, dims: StoreDims, debug: bool = True, min_capacity: tuple = (1, 1, 1)):
+    def __init__(self, spec: StoreSpec | tuple[StoreSpec, ...], dims: StoreDims, debug: bool = True,
+                 min_capacity: tuple = (1, 1, 1), shardings: tuple | None = None):
+        """spec: one StoreSpec, or one per pipeline stage (with `shardings`, where each stage's store lives). With
+        stages, `store` is the tuple of the stages' stores: one set of indices (this ledger's) addresses all of
+        them, and every queued device op is applied to every stage's store in the same order (invariant 10)."""
         self.spec, self.dims, self.debug = spec, dims, debug
+        self.staged = isinstance(spec, tuple)
+        specs = spec if self.staged else (spec,)
         # device pools are rounded up to power-of-two capacities so that configurations differing only in pool
         # sizes share compiled steps; the ledger hands out only the first `dims` entries (the rest stay poisoned)
-        self.store = init_store(spec, dataclasses.replace(
+        pool = dataclasses.replace(
             dims, num_slots=_bucket(max(dims.num_slots, min_capacity[0])),
-            num_pages=round_pages_up(max(dims.num_pages, min_capacity[1])), num_snaps=_bucket(max(dims.num_snaps, min_capacity[2]))))
-        self._inits = tuple((n, l.init) for n, l in spec.slot.items())
+            num_pages=round_pages_up(max(dims.num_pages, min_capacity[1])),
+            num_snaps=_bucket(max(dims.num_snaps, min_capacity[2])))
+        if shardings is None:
+            stores = tuple(init_store(sp, pool) for sp in specs)
+        else:  # built on the stage's own devices (never the whole model's state on one device first)
+            stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=sh)()
+                           for sp, sh in zip(specs, shardings, strict=True))
+        self.store = stores if self.staged else stores[0]
+        self._inits = tuple(tuple((n, l.init) for n, l in sp.slot.items()) for sp in specs)
         self.slots = [_SlotInfo() for _ in range(dims.num_slots)]
         self.free_slots: collections.deque[int] = collections.deque(range(dims.num_slots))
         self.page_refs = [0] * dims.num_pages
@@ -510,13 +523,15 @@ class StoreLedger:
             while j < len(ops) and ops[j][0] == kind:
                 j += 1
             rows = [o[1] for o in ops[i:j]]
-            a = jnp.asarray(_pad(rows, len(rows[0])))
+            a = _pad(rows, len(rows[0]))
+            stores = self.store if self.staged else (self.store,)
             if kind == "reset":
-                self.store = _op_reset(self.store, a, self._inits)
+                stores = tuple(_op_reset(st, jnp.asarray(a), inits) for st, inits in zip(stores, self._inits))
             else:
                 fn = {"capture": _op_capture, "cursor": _op_cursor, "poison_slot": _op_poison_slots,
                       "copy_page": _op_copy_pages, "poison_page": _op_poison_pages, "poison_snap": _op_poison_snaps}[kind]
-                self.store = fn(self.store, a)
+                stores = tuple(fn(st, jnp.asarray(a)) for st in stores)
+            self.store = stores if self.staged else stores[0]
             i = j
 
     def update(self, fn: Callable[[StateStore], StateStore]):

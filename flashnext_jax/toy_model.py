@@ -160,13 +160,28 @@ class ToyRunner:
         self.params = {"ngram_table": jnp.asarray(self.table)}  # only the draft head uses the device copy
         self._jit = None
 
-    def store_spec(self) -> StoreSpec:
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    def store_spec(self, layers: range | None = None) -> StoreSpec:
+        """The state of toy layers `layers` (a pipeline stage; default all): each layer its recurrent value; the
+        stage with layer 0 also the conv / n-gram context and the per-token entries, the last stage the MTP cache."""
         c = self.cfg
-        return StoreSpec(
-            slot={"rec": Leaf((c.num_layers,), jnp.int32, 0), "conv": Leaf((3,), jnp.int32, 0),
-                  "ctx": Leaf((2,), jnp.int32, c.pad_id)},
-            page={"kv": Leaf((), jnp.int32), "mtp_kv": Leaf((), jnp.int32)},
-        )
+        layers = range(c.num_layers) if layers is None else layers
+        slot, page = {"rec": Leaf((len(layers),), jnp.int32, 0)}, {}
+        if layers.start == 0:
+            slot |= {"conv": Leaf((3,), jnp.int32, 0), "ctx": Leaf((2,), jnp.int32, c.pad_id)}
+            page["kv"] = Leaf((), jnp.int32)
+        if layers.stop == c.num_layers:
+            page["mtp_kv"] = Leaf((), jnp.int32)
+        return StoreSpec(slot=slot, page=page)
+
+    def stage_params(self, layers: range) -> dict:
+        return dict(self.params) if layers.stop == self.cfg.num_layers else {}
+
+    def stage_host_inputs(self, layers: range) -> tuple[str, ...]:
+        return ("ngram_rows",) if layers.start == 0 else ()
 
     def host_prepare(self, rows, T: int) -> dict[str, np.ndarray]:
         """Host hook: hashed n-gram ids from each row's token history, rows gathered from the host table."""
@@ -185,50 +200,93 @@ class ToyRunner:
         """The step's "hidden" output (the head value h of each position) -> float logits [..., V]."""
         return logits_row(self.cfg, hidden, jnp)
 
-    # -- the pure step
+    # -- the pure step (one stage holding every layer)
     def step(self, params, store, batch, all_positions: bool = False):
+        return self.stage_step(params, store, batch, None, range(self.cfg.num_layers), all_positions)
+
+    def stage_step(self, params, store, batch, x, layers: range, all_positions: bool = False):
+        """Toy layers `layers` on their own store. Between stages `x` [B, T, L + 7] int32 carries, after each
+        token, every layer's recurrent value so far, conv (3), ctx (2), att, and a poisoned-input flag (the toy's
+        hidden state: the last stage's head and draft need the whole state at the tail)."""
         cfg, k = self.cfg, self.k
         L = cfg.num_layers
+        first, last = layers.start == 0, layers.stop == L
         B, T = batch.tokens.shape
         K1 = store.slot["rec"].shape[1]
         live = live_rows(store, batch.slot, batch.gen)
         st = read_slots(store, batch.slot, live)
-        pos = jnp.arange(store.page["kv"].shape[1] * batch.page_table.shape[1])[None, :]
-        ctx_mask = pos < batch.start[:, None]
-        kv = read_pages(store, "kv", batch.page_table)
-        mkv = read_pages(store, "mtp_kv", batch.page_table)
-        att0 = jnp.sum(jnp.where(ctx_mask, kv, 0), axis=1) % M
-        matt0 = jnp.sum(jnp.where(ctx_mask, mkv, 0), axis=1) % M
-        bad = (jnp.any(st["rec"] < 0, 1) | jnp.any(st["conv"] < 0, 1) | jnp.any(st["ctx"] < 0, 1)
-               | jnp.any(ctx_mask & ((kv < 0) | (mkv < 0)), 1))
+        valid = jnp.arange(T)[None, :] < batch.n_valid[:, None]
+        bad = jnp.any(st["rec"] < 0, 1)
+
+        def context_sum(name):  # running sum of a per-token page entry over the positions before start
+            pos = jnp.arange(store.page[name].shape[1] * batch.page_table.shape[1])[None, :]
+            ctx_mask = pos < batch.start[:, None]
+            a = read_pages(store, name, batch.page_table)
+            return jnp.sum(jnp.where(ctx_mask, a, 0), axis=1) % M, jnp.any(ctx_mask & (a < 0), 1)
+
+        zero = jnp.zeros((B,), jnp.int32)
+        if first:
+            att0, bad_kv = context_sum("kv")
+            bad = bad | jnp.any(st["conv"] < 0, 1) | jnp.any(st["ctx"] < 0, 1) | bad_kv
+            x = jnp.zeros((B, T, L + 7), jnp.int32)
+            carry0 = (st["rec"], st["conv"], st["ctx"], att0)
+        else:
+            bad = bad | (x[:, 0, L + 6] > 0)
+            carry0 = (st["rec"], jnp.zeros((B, 3), jnp.int32), jnp.zeros((B, 2), jnp.int32), zero)
+        matt0, bad_m = context_sum("mtp_kv") if last else (zero, jnp.zeros((B,), bool))
+        bad = bad | bad_m
+        P, S = cfg.P, cfg.S
 
         def body(carry, xs):
             rec, conv, ctx, att, matt = carry
-            x, g, valid = xs
-            nrec, nconv, nctx, natt, nmatt, e, me = advance(
-                cfg, [rec[:, l] for l in range(L)], [conv[:, i] for i in range(3)], [ctx[:, 0], ctx[:, 1]],
-                att, matt, x, g)
-            new = (jnp.stack(nrec, 1), jnp.stack(nconv, 1), jnp.stack(nctx, 1), natt, nmatt)
-            carry = jax.tree.map(lambda n, o: jnp.where(valid.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, carry)
-            return carry, (carry, e, me)
+            tok, g, ok, hin = xs
+            if first:
+                c = (conv[:, 0] * 3 + conv[:, 1] * 5 + conv[:, 2] * 7 + ctx[:, 0] * 11 + ctx[:, 1] * 13) % M
+                r0 = (rec[:, 0] * P[0] + tok + S[0] + c + g) % M
+                e = (r0 * 31 + tok) % M
+                att = (att + e) % M
+                new, prev = [r0], att
+                conv, ctx = jnp.stack([conv[:, 1], conv[:, 2], (tok * 7 + g) % M], 1), jnp.stack([ctx[:, 1], tok], 1)
+            else:  # layer `start` reads the previous layer's value (att for layer 1)
+                att, conv, ctx, e = hin[:, L + 5], hin[:, L: L + 3], hin[:, L + 3: L + 5], zero
+                new, prev = [], (att if layers.start == 1 else hin[:, layers.start - 1])
+            for i, l in enumerate(layers):
+                if l == 0:
+                    continue
+                r = (rec[:, i] * P[l] + tok + S[l] + prev) % M
+                new.append(r)
+                prev = r
+            me = (new[-1] * 17 + tok) % M if last else zero
+            new = (jnp.stack(new, 1), conv, ctx, att, (matt + me) % M)
+            carry = jax.tree.map(lambda n, o: jnp.where(ok.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, carry)
+            rec, conv, ctx, att, _ = carry
+            hout = jnp.concatenate([hin[:, : layers.start], rec, hin[:, layers.stop: L], conv, ctx, att[:, None],
+                                    hin[:, L + 6:]], axis=1)
+            return carry, (carry, hout, e, me)
 
-        valid = jnp.arange(T)[None, :] < batch.n_valid[:, None]
-        xs = (batch.tokens.T, batch.host["ngram_rows"].T, valid.T)
-        _, (states, e, me) = jax.lax.scan(body, (st["rec"], st["conv"], st["ctx"], att0, matt0), xs)
+        xs = (batch.tokens.T, batch.host["ngram_rows"].T if first else jnp.zeros((T, B), jnp.int32), valid.T,
+              jnp.moveaxis(x, 1, 0))
+        _, (states, hidden, e, me) = jax.lax.scan(body, (*carry0, matt0), xs)
+        hidden = jnp.moveaxis(hidden, 0, 1).at[:, :, L + 6].set(bad.astype(jnp.int32)[:, None])  # [B, T, L + 7]
         # tail positions: column c holds the state after row token base + c
         base = jnp.maximum(batch.n_valid - K1, 0)
         idx = jnp.clip(base[:, None] + jnp.arange(K1)[None, :], 0, jnp.maximum(batch.n_valid - 1, 0)[:, None])
         tail = jax.tree.map(lambda a: jnp.take_along_axis(
             jnp.moveaxis(a, 0, 1), idx.reshape(B, K1, *([1] * (a.ndim - 2))), axis=1), states)
         rec, conv, ctx, att, matt = tail  # [B, K1, ...]
-        cols = {"rec": rec, "conv": conv, "ctx": ctx}
+        cols = {"rec": rec, "conv": conv, "ctx": ctx} if first else {"rec": rec}
         cols = {n: jnp.where(bad.reshape((-1,) + (1,) * (a.ndim - 1)), -(2**31) + 7, a) for n, a in cols.items()}
         store = write_slots(store, batch.slot, live, cols)
         positions = batch.start[:, None] + jnp.arange(T)[None, :]
         wvalid = valid & live[:, None]
-        store = write_pages(store, "kv", batch.page_table, positions, wvalid, e.T)
+        if first:
+            store = write_pages(store, "kv", batch.page_table, positions, wvalid, e.T)
+        if not last:
+            return store, hidden
         store = write_pages(store, "mtp_kv", batch.page_table, positions, wvalid, me.T)
 
+        h_tail = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [B, K1, L + 7]: the whole state at the tail
+        rec, conv, ctx, att = h_tail[..., :L], h_tail[..., L: L + 3], h_tail[..., L + 3: L + 5], h_tail[..., L + 5]
         h = head(cfg, [rec[..., l] for l in range(L)], att)
         logits = logits_row(cfg, h, jnp)
         logits = jnp.where(bad[:, None, None], jnp.nan, logits)
@@ -239,7 +297,7 @@ class ToyRunner:
         dlogits = jnp.where(bad[:, None, None, None], jnp.nan, dlogits)
         out = {"logits": logits, "draft_logits": dlogits}
         if all_positions:  # h after each row token [B, T] (the state after token t predicts token t + 1)
-            out["hidden"] = head(cfg, [states[0][..., l] for l in range(L)], states[3]).T
+            out["hidden"] = head(cfg, [hidden[..., l] for l in range(L)], hidden[..., L + 5])  # [B, T]
         return store, out
 
     def _draft(self, params, rec, conv, ctx, att, matt, y):
@@ -287,11 +345,17 @@ def check_engine_against_fold(engine, cfg: ToyConfig):
 
     led = engine.ledger
     led.flush()
-    st = led.store
-    slot = {n: np.asarray(a) for n, a in st.slot.items()}
-    page = {n: np.asarray(a) for n, a in st.page.items()}
-    snap = {n: np.asarray(a) for n, a in st.snap.items()}
-    cursor = np.asarray(st.cursor)
+    stores = led.store if led.staged else (led.store,)
+    cursor = np.asarray(stores[0].cursor)
+    for st in stores[1:]:  # invariant 10: every stage applied the same commits (cursors and generations agree)
+        assert np.array_equal(np.asarray(st.cursor), cursor) and np.array_equal(np.asarray(st.gen), np.asarray(
+            stores[0].gen)), "pipeline stages disagree on cursors / generations"
+    # the stages' leaves side by side (the per-layer "rec" concatenated in layer order): the whole model's view
+    slot = {n: np.concatenate([np.asarray(st.slot[n]) for st in stores if n in st.slot], axis=-1) if n == "rec"
+            else np.asarray(next(st.slot[n] for st in stores if n in st.slot)) for n in ("rec", "conv", "ctx")}
+    page = {n: np.asarray(st.page[n]) for st in stores for n in st.page}
+    snap = {n: np.concatenate([np.asarray(st.snap[n]) for st in stores if n in st.snap], axis=-1) if n == "rec"
+            else np.asarray(next(st.snap[n] for st in stores if n in st.snap)) for n in ("rec", "conv", "ctx")}
     ps = led.dims.page_size
     for req in engine.requests.values():
         if req.slot is None or req.inflight or req.finished:

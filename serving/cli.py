@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from flashnext_jax.stages import add_pipeline_arguments, pipeline_kwargs
+
 # vLLM's generation_config.json keys that become request defaults, by SamplingParams name
 _GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -64,6 +66,7 @@ def add_serve_parser(sub, parents=()) -> None:
                    help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
                         "'auto' reads the model's generation_config.json, 'vllm' uses none, or a directory holding "
                         "a generation_config.json")
+    add_pipeline_arguments(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
 
@@ -150,7 +153,8 @@ def serve(args: argparse.Namespace) -> int:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
               block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype,
-              gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile)
+              gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
+              **pipeline_kwargs(args))
     if args.chat_template:
         if llm.tokenizer is None:
             raise ValueError("--chat-template: this model has no tokenizer")

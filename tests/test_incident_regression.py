@@ -8,15 +8,22 @@ that ticket retires (invariant 4), so C takes A's slot only after the deferred w
 and its prefix hits the snapshot A's deferred work just published.
 """
 
+import jax
 import pytest
 
 from flashnext_jax.engine import Engine, EngineConfig
+from flashnext_jax.pipeline import PipelineRunner
+from flashnext_jax.stages import StagePlan
 from flashnext_jax.sampling import SamplingParams
 from flashnext_jax.state_store import SlotRef, StaleWrite
 from flashnext_jax.toy_model import ToyConfig, ToyRunner, check_engine_against_fold, solo_greedy
 
 CFG = ToyConfig(max_model_len=64)
 RUNNER = ToyRunner(CFG, num_speculative_tokens=1)
+# the same scenario with real stages: three stores, three jitted steps, hidden states passed between them (the
+# stages share this process's device; test_pipeline.py places them on three)
+STAGED = PipelineRunner(RUNNER, StagePlan.build(CFG.num_layers, 3, devices=[jax.devices()[0]] * 3))
+RUNNERS = pytest.mark.parametrize("runner", [RUNNER, STAGED], ids=["delay3", "stages3"])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 PROMPT_A = [5, 9, 2, 7, 1, 3]  # 6 tokens: first decode row [o1, d1] covers positions 6, 7 -> boundary at 8
 PROMPT_B = [4, 4, 8, 1, 6, 2, 9, 11, 3]
@@ -37,17 +44,17 @@ def _oracle_drafts(prompts):
     return hook, solos
 
 
-def _engine(hook, num_slots=2, row_order=None):
+def _engine(hook, num_slots=2, row_order=None, runner=RUNNER):
     cfg = EngineConfig(max_num_seqs=num_slots, num_slots=num_slots, max_num_batched_tokens=16,
                        num_speculative_tokens=1, enable_prefix_caching=True, block_size=4, page_size=4,
                        pipeline_delay=3, debug=True)
-    return Engine(RUNNER, cfg, draft_hook=hook, row_order=row_order)
+    return Engine(runner, cfg, draft_hook=hook, row_order=row_order)
 
 
-def _run_incident(finish_a_by: str, row_order=None, num_slots=2, bug=False):
+def _run_incident(finish_a_by: str, row_order=None, num_slots=2, bug=False, runner=RUNNER):
     prompt_c = PROMPT_A + _solo(PROMPT_A)[:2] + [13]  # shares the 8-token prefix A's boundary snapshot covers
     hook, solos = _oracle_drafts({"A": PROMPT_A, "B": PROMPT_B, "C": prompt_c})
-    eng = _engine(hook, num_slots, row_order)
+    eng = _engine(hook, num_slots, row_order, runner)
     eng._bug_row_addressed_commit = bug
     a = eng.add_request("A", PROMPT_A, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
                         if finish_a_by == "max_tokens" else GREEDY)
@@ -82,9 +89,10 @@ def _run_incident(finish_a_by: str, row_order=None, num_slots=2, bug=False):
     return eng, a, b, c, a_slot, solos
 
 
+@RUNNERS
 @pytest.mark.parametrize("finish_a_by", ["max_tokens", "abort"])
-def test_incident_pp3_mtp1_block4_slot_reuse(finish_a_by):
-    eng, a, b, c, a_slot, solos = _run_incident(finish_a_by)
+def test_incident_pp3_mtp1_block4_slot_reuse(finish_a_by, runner):
+    eng, a, b, c, a_slot, solos = _run_incident(finish_a_by, runner=runner)
     assert b.output == solos["B"][: len(b.output)] and b.finish_reason == "length"
     assert c.output == solos["C"] and c.finish_reason == "length"
     assert eng.requests["C"].metrics["num_steps"] > 0
@@ -98,18 +106,20 @@ def test_incident_pp3_mtp1_block4_slot_reuse(finish_a_by):
     assert eng.counters["accepted"] > 0
 
 
-def test_incident_row_swap_variant():
+@RUNNERS
+def test_incident_row_swap_variant(runner):
     swap = lambda step, ids: list(range(len(ids)))[::-1]  # noqa: E731  rows [A, B] -> [B, A] every step
-    eng, a, b, c, a_slot, solos = _run_incident("max_tokens", row_order=swap)
+    eng, a, b, c, a_slot, solos = _run_incident("max_tokens", row_order=swap, runner=runner)
     assert b.output == solos["B"] and c.output == solos["C"]
     assert c.metrics["num_cached_tokens"] == 8
 
 
-def test_row_addressed_commit_is_caught():
+@RUNNERS
+def test_row_addressed_commit_is_caught(runner):
     """Mutation check: commit through the row of the latest batch (the incident's bug) -> the oracles fire."""
     swap = lambda step, ids: list(range(len(ids)))[::-1]  # noqa: E731
     with pytest.raises((AssertionError, FloatingPointError, StaleWrite, RuntimeError)):
-        _run_incident("max_tokens", row_order=swap, num_slots=3, bug=True)
+        _run_incident("max_tokens", row_order=swap, num_slots=3, bug=True, runner=runner)
 
 
 def test_stale_ticket_write_is_refused_after_slot_reuse():
