@@ -8,8 +8,9 @@ __all__ = ["load", "Model", "DEMO_MODEL", "ModelConfig", "ConfigError", "Checkpo
            "load_config"]
 from .llm import LLM, RequestOutput  # noqa: E402
 from .sampling import SamplingParams, TokenLogprob  # noqa: E402
+from .structured_output import StructuredOutputsParams  # noqa: E402
 
-__all__ += ["LLM", "SamplingParams", "RequestOutput", "TokenLogprob"]
+__all__ += ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "TokenLogprob"]
 
 __all__ += ["train_mtp", "mtp_acceptance", "write_mtp"]
 

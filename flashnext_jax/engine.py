@@ -24,6 +24,7 @@ from .page_pool import device_memory, size_pool
 from .device_sampling import LogitBias, SamplingInputs, device_sampled, prompt_logprobs, sample_tokens
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
+from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
 from .tickets import RowTicket, StepTicket
 
 log = logging.getLogger("flashnext_jax.engine")
@@ -133,9 +134,14 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     all_positions=True and returns the raw logprob of each position's next prompt token and the top
     MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden)).
 
+    `token_mask` [B, K1, ceil(V/32)] int32 (structured outputs: the packed grammar masks of the constrained rows'
+    token-choosing columns, -1 words elsewhere) or None: masked columns choose their argmax / sample among the
+    allowed tokens only; "logits", the finite flags and the logprobs stay those of the raw logits. None: no mask
+    code in the step (jit traces None and an array separately: a static flag of the step's shape).
+
     `stage_inputs`: what a last pipeline stage takes besides the batch (the previous stage's hyper state)."""
     def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None,
-            *stage_inputs):
+            token_mask=None, *stage_inputs):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         if prompt_targets is None:
@@ -145,10 +151,12 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
         out = dict(out)
         chosen_from = {}
         for name in ("logits", "draft_logits"):
-            x = out[name] if logit_bias is None else logit_bias.apply(out[name])
-            chosen_from[name] = x
+            out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
+            chosen_from[name] = out[name] if logit_bias is None else logit_bias.apply(out[name])
+        if token_mask is not None:
+            chosen_from["logits"] = apply_token_bitmask(chosen_from["logits"], token_mask)
+        for name, x in chosen_from.items():
             out[name + "_argmax"] = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum, as numpy
-            out[name + "_finite"] = jnp.all(jnp.isfinite(x), axis=-1)
         if sampling_inputs is not None:
             out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
         if logprobs:
@@ -185,15 +193,16 @@ def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
 
 def _describe_shape(shape: tuple) -> str:
     """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
-    prompt logprobs) reads in the log."""
-    b, t, width, masks, logprobs, bias_width, prompt, *_ = shape
+    prompt logprobs, grammar masks) reads in the log."""
+    b, t, width, masks, logprobs, bias_width, prompt, token_mask, *_ = shape
     words = f"{b} rows x {t} tokens, page tables of {width} pages"
     if masks is not None:
         top_k_mode, use_top_p = masks
         words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
             top_k_mode] + (" with top-p" if use_top_p else "")
     words += f", logit bias of up to {bias_width} tokens" if bias_width else ""
-    return words + (", with logprobs" if logprobs else "") + (", with prompt logprobs" if prompt else "")
+    return (words + (", with logprobs" if logprobs else "") + (", with prompt logprobs" if prompt else "")
+            + (", with grammar masks" if token_mask else ""))
 
 
 class HostOutputs:
@@ -253,7 +262,8 @@ class EngineConfig:
 class Engine:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
                  draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
-                 row_order: Callable[[int, list[str]], list[int]] | None = None):
+                 row_order: Callable[[int, list[str]], list[int]] | None = None,
+                 grammar_compiler: GrammarCompiler | None = None):
         if not 0 <= cfg.pipeline_delay <= max(3, getattr(runner, "num_stages", 1)):
             raise ValueError("pipeline_delay must be in 0..max(3, pipeline stages)")
         if hasattr(runner, "pipeline_step"):  # compile-ahead lowers one jitted step; a pipeline has one per stage
@@ -292,6 +302,8 @@ class Engine:
         self.counters = collections.Counter()
         self._bug_row_addressed_commit = False  # mutation-test knob: reproduces the incident's addressing bug
         self._last_rows: list[tuple] = []
+        self.grammar_compiler = grammar_compiler  # structured outputs (None: requests with a grammar are refused)
+        self.grammars: dict[str, GrammarState] = {}  # request id -> its grammar state, while it runs
 
     def _size_pool(self, spec: StoreSpec, cfg: EngineConfig, slots: int, mml: int) -> int:
         pool = size_pool(spec, cfg.page_size, slots, cfg.num_snapshots, self.K1, mml, cfg.gpu_memory_utilization,
@@ -314,7 +326,7 @@ class Engine:
         rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
         first = _bucket(max(1, self.cfg.min_batch_bucket))
         widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
-        return [(b, self._decode_tokens, w, None, False, 0, False, self._store_key)
+        return [(b, self._decode_tokens, w, None, False, 0, False, False, self._store_key)
                 for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
 
     def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
@@ -340,7 +352,7 @@ class Engine:
     def _abstract_args(self, shape: tuple) -> tuple:
         """The step's argument types for a shape key, built the way a step builds its arguments (so the types and
         device placements are the ones a real step of that shape has)."""
-        b, t, width, masks, logprobs, bias_width, prompt, _ = shape
+        b, t, width, masks, logprobs, bias_width, prompt, token_mask, _ = shape
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
                                                 np.full((b, width), -1, np.int32),
@@ -351,8 +363,9 @@ class Engine:
         bias = None if not bias_width else jax.device_put(LogitBias(z(b, bias_width),
                                                                     np.zeros((b, bias_width), np.float32)))
         targets = jax.device_put(z(b, t)) if prompt else None
+        mask = jax.device_put(z(b, self.K1, -(-self.runner.vocab_size // 32))) if token_mask else None
         return (abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(inputs),
-                logprobs, abstract(bias), abstract(targets))
+                logprobs, abstract(bias), abstract(targets), abstract(mask))
 
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
@@ -369,9 +382,15 @@ class Engine:
         if bad:
             raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} outside vocab "
                              f"[0, {self.runner.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError(f"request {request_id}: structured outputs need a tokenizer (this engine has none)")
+            grammar = self.grammar_compiler.new_state(params.structured_outputs)  # ValueError: a bad spec
         req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt)  # entry 0 stays None: the first token has no context
+        if params.structured_outputs is not None:
+            self.grammars[request_id] = grammar
         req.metrics["arrival_time"] = time.monotonic()
         self._arrivals += 1
         self.sched.add(req)
@@ -383,6 +402,7 @@ class Engine:
         if req is not None and not req.finished:
             self.sched.finish(req, "abort")
             self.ledger.flush()
+            self.grammars.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.sched.has_work() or any(i is not None for i in self.pending)
@@ -408,9 +428,11 @@ class Engine:
             sampling_inputs = self._sampling_inputs(ticket)
             logprobs = any(self.requests[r.request_id].params.logprobs is not None for r in ticket.rows if r.samples)
             bias, targets = self._logit_bias(ticket), self._prompt_targets(ticket)
+            token_mask = self._token_masks(ticket)
             shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
                      None if sampling_inputs is None else sampling_inputs.masks, logprobs,
-                     0 if bias is None else bias.ids.shape[1], targets is not None, self._store_key)
+                     0 if bias is None else bias.ids.shape[1], targets is not None, token_mask is not None,
+                     self._store_key)
             if self._ahead.wait(shape):
                 log.info("waited for the background compile of the engine step for %s", _describe_shape(shape))
             new_shape = shape not in self._steps
@@ -419,7 +441,7 @@ class Engine:
                          _describe_shape(shape))
                 t0 = time.perf_counter()
             store, out = self._steps.call(shape, (self.runner.params, self.ledger.store, batch, sampling_inputs,
-                                                  logprobs, bias, targets))
+                                                  logprobs, bias, targets, token_mask))
             if new_shape:
                 self.counters["compiles"] += 1
                 log.info("engine step for %s compiled and launched in %.1f s", _describe_shape(shape),
@@ -427,7 +449,7 @@ class Engine:
             self.ledger.store = store
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
-            if self.cfg.compile_ahead:
+            if self.cfg.compile_ahead and token_mask is None:
                 self._compile_next_width(shape, batch, sampling_inputs, bias, targets)
         elif self.pending:
             self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
@@ -455,9 +477,9 @@ class Engine:
         wider = min(2 * width, self.max_pages_per_row)
         key = (b, t, wider, *rest)
 
-        def args():
+        def args():  # as the engine calls it: no grammar masks (steps with masks are not compiled ahead)
             return (abstract(self.runner.params), abstract(self.ledger.store), batch.abstract_at_width(wider),
-                    abstract(sampling_inputs), logprobs, abstract(bias), abstract(targets))
+                    abstract(sampling_inputs), logprobs, abstract(bias), abstract(targets), None)
         if self._ahead.request(key, args, _describe_shape(key)):
             self.counters["compiles_ahead"] += 1
 
@@ -538,6 +560,24 @@ class Engine:
                 targets[r.row, : len(after)] = after
         return jax.device_put(targets) if np.any(targets >= 0) else None
 
+    def _token_masks(self, t: StepTicket):
+        """The grammar masks of this step's constrained rows that choose tokens: [B, K1, words] int32 on the device
+        (column of the row's last known token, then one per draft), or None when no such row (no mask code then).
+        Computed on the host before the launch; a request has at most one step in flight, so its matcher holds its
+        committed output here (docs/structured-output.md: where this could overlap the device)."""
+        rows = []
+        for r in t.rows:
+            state = self.grammars.get(r.request_id)
+            if state is not None:
+                state.step_mask = None
+            if state is not None and state.active and r.samples:
+                first = r.n - 1 - r.num_drafts  # offset of the last known token; the drafts follow it
+                rows.append((state, r.row * self.K1 + first - r.base, r.tokens[first + 1:]))
+        if not rows:
+            return None
+        mask = self.grammar_compiler.fill_masks(rows, t.batch_size * self.K1)
+        return jax.device_put(mask.reshape(t.batch_size, self.K1, -1))
+
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""
         seen_slots, seen_pages = set(), set()
@@ -571,6 +611,8 @@ class Engine:
                 ref = SlotRef(s, g) if s >= 0 else r.slot
                 self.ledger.debug = False
             self._commit_row(req, r, ref, host)
+            if req.finished:
+                self.grammars.pop(req.request_id, None)
             updated.append(req)
         self.counters["commits"] += 1
         return updated
@@ -582,6 +624,7 @@ class Engine:
         token_cols: list[int] = []  # the logits column each new token was chosen from (for its logprob)
         on_device = req.params.device_argmax  # greedy without penalties: the device's argmax is the token
         sampled_on_device = False
+        grammar = self.grammars.get(req.request_id)
         if not r.samples:
             accepted_inputs = r.n
         elif device_sampled(req.params, self.cfg.num_speculative_tokens):  # k = 0: no drafts to verify
@@ -598,8 +641,10 @@ class Engine:
                 m, new_tokens = sampling.verify_argmax(host["logits_argmax"][r.row, cols],
                                                        host["logits_finite"][r.row, cols], drafts, req.request_id)
             else:
+                allowed = None if grammar is None or grammar.step_mask is None else allowed_tokens(
+                    grammar.step_mask, self.runner.vocab_size)
                 m, new_tokens = sampling.verify(host["logits"][r.row, cols], drafts, req.draft_probs[:nd],
-                                                req.params, req.tokens, len(req.output), req.request_id)
+                                                req.params, req.tokens, len(req.output), req.request_id, allowed)
             accepted_inputs = first + 1 + m
             token_cols = cols[: len(new_tokens)]  # accepted drafts, then the bonus / resampled token
             req.metrics["num_drafts"] += nd
@@ -623,6 +668,9 @@ class Engine:
             if n_top is not None:
                 req.logprobs.append(self._token_logprob(host, r.row, c, t, n_top, on_device, sampled_on_device))
             reason = self._stop_reason(req, t)
+            if grammar is not None:
+                grammar.commit([t], req.request_id)
+                reason = reason or ("stop" if grammar.done else None)  # complete: nothing but EOS could follow
             if reason:
                 self.sched.finish(req, reason)
                 req.metrics["finish_time"] = time.monotonic()
@@ -632,6 +680,8 @@ class Engine:
             if on_device:
                 drafts, probs = sampling.propose_argmax(host["draft_logits_argmax"][r.row, col, :nd],
                                                         host["draft_logits_finite"][r.row, col, :nd], req.request_id)
+            elif grammar is not None and grammar.active:
+                drafts, probs = self._propose_under_grammar(req, grammar, host["draft_logits"][r.row, col, :nd])
             else:
                 drafts, probs = sampling.propose(host["draft_logits"][r.row, col, :nd], req.params, len(req.output),
                                                  req.request_id)
@@ -640,6 +690,19 @@ class Engine:
                 probs = [p if h == d else None for h, d, p in zip(hooked, drafts, probs)]
                 drafts = hooked
             req.drafts, req.draft_probs = list(drafts), list(probs)
+
+    def _propose_under_grammar(self, req: Request, grammar: GrammarState, draft_logits: np.ndarray):
+        """Host-drawn drafts of a constrained request, each from the draft head's distribution restricted to the
+        grammar after the drafts before it, so q (used by rejection sampling) is the distribution drafted from."""
+        probs = []
+
+        def propose_one(i: int, allowed: np.ndarray) -> int:
+            (d,), (q,) = sampling.propose(draft_logits[i: i + 1], req.params, len(req.output) + i, req.request_id,
+                                          allowed[None])
+            probs.append(q)
+            return d
+        drafts = self.grammar_compiler.draft_masks(grammar, propose_one, len(draft_logits))
+        return drafts, probs
 
     @staticmethod
     def _commit_prompt_logprobs(req: Request, r: RowTicket, host: HostOutputs):
@@ -688,6 +751,7 @@ class Engine:
                 req.status, req.finish_reason = Status.FINISHED, "error"
                 req.error = f"{type(e).__name__}: {e}"
         self.pending.clear()
+        self.grammars.clear()
 
     def _alive(self):
         if self.dead is not None:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 from .engine import Engine, EngineConfig, ModelRunner
 from .sampling import SamplingParams, TokenLogprob
 from .scheduler import Request
+from .structured_output import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer, toy_tokenizer
 
 
@@ -110,7 +111,8 @@ class LLM:
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
-        self.engine = Engine(self.runner, cfg)
+        grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+        self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         if precompile:
             self.engine.precompile()
         self._ids = itertools.count()
@@ -141,8 +143,13 @@ class LLM:
                 checker = self._stop_checker(detok, params.stop)
         self._prompts[rid] = text
         self._emitted[rid] = (0, 0)
-        with self._lock:
-            return self.engine.add_request(rid, ids, params, stop_checker=checker)
+        try:
+            with self._lock:
+                return self.engine.add_request(rid, ids, params, stop_checker=checker)
+        except ValueError:  # refused (a bad grammar, ...): keep nothing of it
+            for table in (self._detok, self._prompts, self._emitted):
+                table.pop(rid, None)
+            raise
 
     @staticmethod
     def _stop_checker(detok: IncrementalDetokenizer, stops: Sequence[str]):

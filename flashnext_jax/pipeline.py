@@ -66,16 +66,16 @@ class PipelineRunner:
         return self._steps
 
     def pipeline_step(self, params, stores, batch, sampling_inputs=None, logprobs=False, logit_bias=None,
-                      prompt_targets=None):
+                      prompt_targets=None, token_mask=None):
         """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs)."""
         x, new, last = None, [], self.plan.size - 1
         for st, p, store, fn in zip(self.plan.stages, params, stores, self._jits, strict=True):
             names = self.base.stage_host_inputs(st.layers)
             b = jax.device_put(dataclasses.replace(batch, host={n: batch.host[n] for n in names}), st.sharding)
             if st.index == last:
-                si, lb, pt = (None if a is None else jax.device_put(a, st.sharding)
-                              for a in (sampling_inputs, logit_bias, prompt_targets))
-                store, out = fn(p, store, b, si, logprobs, lb, pt, x)
+                si, lb, pt, tm = (None if a is None else jax.device_put(a, st.sharding)
+                                  for a in (sampling_inputs, logit_bias, prompt_targets, token_mask))
+                store, out = fn(p, store, b, si, logprobs, lb, pt, tm, x)
             else:
                 store, x = fn(p, store, b, x)
                 if self.timeline is not None:

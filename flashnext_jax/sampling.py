@@ -15,6 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .structured_output import StructuredOutputsParams
+
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (OpenAI's limit); the step computes this many
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100] (vLLM, OpenAI)
@@ -50,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n: each output token's logprob and the n most likely (n <= 20)
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first: None) and top n
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit before any other processing
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (llguidance)
 
     def __post_init__(self):
         def bad(field, why):
@@ -86,6 +89,8 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         object.__setattr__(self, "logit_bias", self._checked_bias(bad))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
             bad("stop_token_ids", "must be non-negative ints")
@@ -238,8 +243,10 @@ def sample(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], nu
 
 
 def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: SamplingParams, tokens: Sequence[int],
-           num_out: int, rid: str = "?") -> tuple[int, list[int]]:
-    """target [nd + 1, V]: logits predicting drafts[0..nd-1] and the bonus. -> (accepted drafts m, m + 1 tokens)."""
+           num_out: int, rid: str = "?", allowed: np.ndarray | None = None) -> tuple[int, list[int]]:
+    """target [nd + 1, V]: logits predicting drafts[0..nd-1] and the bonus. -> (accepted drafts m, m + 1 tokens).
+    allowed [nd + 1, V] bool (a grammar's masks, structured_output.py): the target restricted to those tokens, so a
+    draft the grammar forbids has p = 0 and is rejected; the draft's q must be masked the same way."""
     _check_finite(target, rid)
     target = apply_logit_bias(target, params)
     num_prompt = len(tokens) - num_out
@@ -247,6 +254,8 @@ def verify(target: np.ndarray, drafts: list[int], draft_probs: list, params: Sam
     out: list[int] = []
     for i in range(len(drafts) + 1):
         x = apply_penalties(target[i], params, hist, num_prompt)
+        if allowed is not None:
+            x = np.where(allowed[i], x, -np.inf)
         if params.greedy:  # the argmax of the one-hot distribution probs_from_logits would build
             t = int(np.argmax(x))
             if i == len(drafts) or t != drafts[i]:
@@ -290,10 +299,14 @@ def propose_argmax(argmax: np.ndarray, finite: np.ndarray, rid: str = "?"):
     return [int(t) for t in argmax], [None] * len(argmax)
 
 
-def propose(draft_logits: np.ndarray, params: SamplingParams, num_out: int, rid: str = "?"):
-    """Draft tokens from the MTP head's logits [nd, V] -> (tokens, q per token or None when greedy)."""
+def propose(draft_logits: np.ndarray, params: SamplingParams, num_out: int, rid: str = "?",
+            allowed: np.ndarray | None = None):
+    """Draft tokens from the MTP head's logits [nd, V] -> (tokens, q per token or None when greedy); allowed
+    [nd, V] bool: drafts restricted to those tokens (q too)."""
     _check_finite(draft_logits, rid)
     draft_logits = apply_logit_bias(draft_logits, params)  # the proposals come from the biased draft distribution
+    if allowed is not None:
+        draft_logits = np.where(allowed, draft_logits, -np.inf)
     if params.greedy:
         return [int(np.argmax(r)) for r in draft_logits], [None] * len(draft_logits)
     toks, qs = [], []
