@@ -81,7 +81,7 @@ def test_cli_flags_parse_like_vllm():
 
 def test_help_shows_defaults_and_bad_flags_are_one_line_errors():
     help_text = run("serve", "--help").stdout
-    for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: auto)", "(default: 512)"):
+    for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: auto)", "(default: 8192)"):
         assert default in " ".join(help_text.split()), default
     assert "(default: None)" not in help_text
     assert "(default: 32)" in " ".join(run("generate", "--help").stdout.split())
