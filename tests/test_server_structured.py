@@ -80,3 +80,12 @@ def test_bad_constraints_are_400_naming_the_problem(client, extra, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model="demo_model", messages=MESSAGES, max_tokens=8,
                                        extra_body=extra)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "without --tool-call-parser"),
+    ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"functions": [{"name": "f"}]}, "'functions' is not supported")])
+def test_tools_need_a_parser_and_legacy_functions_stay_unsupported(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(model="demo_model", messages=MESSAGES, max_tokens=4, extra_body=extra)
