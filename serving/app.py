@@ -23,8 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import protocol
+from .chat_features import prepare_chat
 from .generation import Fault, Generation, error_body
 from .metrics import ServerMetrics
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("flashnext_jax.serving")
 
@@ -143,9 +146,16 @@ def _install_api_key(app: FastAPI, api_key: str | None) -> None:
 
 
 def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: str | None = None,
-               generation_defaults: dict[str, Any] | None = None) -> FastAPI:
+               generation_defaults: dict[str, Any] | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """`generation_defaults`: sampling defaults for fields a request leaves out (SamplingParams names, plus
-    max_tokens as the default cap), from the model's generation_config.json (vLLM's --generation-config)."""
+    max_tokens as the default cap), from the model's generation_config.json (vLLM's --generation-config).
+    `tool_call_parser` ("hermes" / "qwen3_xml"): the format chat `tools` calls are parsed from (None: requests
+    with tools are a 400); `reasoning_parser` ("qwen3"): return the think block as `reasoning_content`."""
+    if tool_call_parser not in (None, *TOOL_PARSERS):
+        raise ValueError(f"tool_call_parser {tool_call_parser!r}: not one of {sorted(TOOL_PARSERS)}")
+    if reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"reasoning_parser {reasoning_parser!r}: not one of {sorted(REASONING_PARSERS)}")
     app = FastAPI(title="flashnext-jax", version=package_version())
     server = _Server(llm, model_name, exit_on_fault, dict(generation_defaults or {}))
     app.state.server = server
@@ -204,8 +214,11 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatRequest):
         server.check_model(body.model)
-        text = server.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        return await Generation(server, body, [server.encode(text)], chat=True).respond()
+        text, shaper, forced = prepare_chat(
+            body, lambda kwargs: server.render_chat(body.messages, body.add_generation_prompt, kwargs),
+            tool_call_parser, reasoning_parser)
+        return await Generation(server, body, [server.encode(text)], chat=True, shaper=shaper,
+                                forced_grammar=forced).respond()
 
     return app
 

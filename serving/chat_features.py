@@ -6,7 +6,7 @@ chat template), the grammar a forced tool choice needs, and the assistant messag
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from flashnext_jax.structured_output import StructuredOutputsParams
 
@@ -77,9 +77,10 @@ class ChatShaper:
         return out, finish_reason
 
 
-def prepare_chat(body, tokenizer, tool_call_parser: str | None, reasoning_parser: str | None
+def prepare_chat(body, render: Callable[[dict], str], tool_call_parser: str | None, reasoning_parser: str | None
                  ) -> tuple[str, ChatShaper, StructuredOutputsParams | None]:
-    """-> (rendered prompt, the output shaper, the grammar of a forced tool choice or None)."""
+    """-> (rendered prompt, the output shaper, the grammar of a forced tool choice or None). `render(kwargs)`
+    renders the request's messages with the chat template and these extra template variables."""
     kwargs = dict(body.chat_template_kwargs or {})
     tools = None
     if body.tools is not None:
@@ -89,8 +90,7 @@ def prepare_chat(body, tokenizer, tool_call_parser: str | None, reasoning_parser
         kwargs["tools"] = tools
     elif body.tool_choice not in (None, "none", "auto"):
         raise ValueError("tool_choice: needs tools")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    prompt = render(kwargs)
     reasoning = None
     if reasoning_parser is not None:
         reasoning = REASONING_PARSERS[reasoning_parser](starts_in_think=prompt_opens_think(prompt))

@@ -66,6 +66,12 @@ def add_serve_parser(sub, parents=()) -> None:
                    help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
                         "'auto' reads the model's generation_config.json, 'vllm' uses none, or a directory holding "
                         "a generation_config.json")
+    p.add_argument("--tool-call-parser", choices=["hermes", "qwen3_xml"],
+                   help="parse chat tool calls from the output in this format and enforce tool_choice 'required' / "
+                        "a named function with its grammar; chat requests with 'tools' need it (unset: a 400)")
+    p.add_argument("--reasoning-parser", choices=["qwen3"],
+                   help="return the output's <think>...</think> block as reasoning_content; a response_format / "
+                        "structured_outputs grammar then applies after </think>")
     add_pipeline_arguments(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
@@ -162,6 +168,7 @@ def serve(args: argparse.Namespace) -> int:
     _inject_fault_for_tests(llm)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True, api_key=api_key,
-                     generation_defaults=defaults)
+                     generation_defaults=defaults, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

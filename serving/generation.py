@@ -6,6 +6,7 @@ is an engine fault (500, or an error event in a stream) reported to the server (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -14,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from . import protocol
+from .chat_features import ChatShaper, grammar_after_thinking
 from .logprobs import LogprobFormat
 from .streaming import TextDeltas, merged
 
@@ -32,16 +34,25 @@ def _sse(body: dict | str) -> str:
 
 class Generation:
     def __init__(self, server, body: protocol._Sampling, prompts: list[list[int]], *, chat: bool,
-                 prompt_texts: list[str] | None = None):
-        """`prompt_texts`: the prompts as text, for completions' echo."""
+                 prompt_texts: list[str] | None = None, shaper: ChatShaper | None = None, forced_grammar=None):
+        """`prompt_texts`: the prompts as text, for completions' echo. Chat (one prompt): `shaper` turns the
+        output text into the message / deltas (tool calls, reasoning); `forced_grammar` is a forced tool call's
+        constraint, in place of the request's."""
         self.server, self.body, self.prompts, self.chat = server, body, prompts, chat
         self.echo = getattr(body, "echo", False)
         self.prompt_texts = prompt_texts
+        self.shaper = shaper or ChatShaper()
         requested = body.requested_max_tokens()
-        self.params = [body.sampling_params(server.max_tokens(len(p), requested), server.defaults) for p in prompts]
+        self.params = [self._constrained(body.sampling_params(server.max_tokens(len(p), requested), server.defaults),
+                                         forced_grammar) for p in prompts]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+
+    def _constrained(self, params, forced_grammar):
+        if forced_grammar is not None:
+            params = dataclasses.replace(params, structured_outputs=forced_grammar)
+        return grammar_after_thinking(params, self.shaper) if self.chat else params
 
     async def _outputs(self, prompt: list[int], params) -> AsyncIterator[Any]:
         started = False
@@ -85,8 +96,9 @@ class Generation:
     def _choice(self, index: int, out) -> dict:
         fmt = LogprobFormat(self.server.tokenizer)
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": fmt.chat(out.logprobs), "finish_reason": out.finish_reason}
+            message, finish_reason = self.shaper.message(out.text, out.finish_reason)
+            return {"index": index, "message": message, "logprobs": fmt.chat(out.logprobs),
+                    "finish_reason": finish_reason}
         if self.echo:  # the prompt first: text offsets run on from it
             text, lps = self._echoed(index, fmt, out, "", None)
             done = fmt.completion(out.logprobs)
@@ -120,9 +132,10 @@ class Generation:
             last[i] = out
             lp = None if out.logprobs is None else lps
             finish = out.finish_reason if out.finished else None
-            if self.chat:
-                choice = {"index": i, "delta": {"content": text}, "logprobs": fmts[i].chat(lp),
-                          "finish_reason": finish}
+            if self.chat:  # the shaper reads what the stop-string hold-back lets out so far
+                deltas, finish = self.shaper.deltas(out.text[:texts[i].sent], out.finished, finish)
+                delta = {k: v for d in deltas for k, v in d.items()} or {"content": ""}
+                choice = {"index": i, "delta": delta, "logprobs": fmts[i].chat(lp), "finish_reason": finish}
             else:
                 if self.echo and not echoed[i]:  # the first chunk carries the prompt
                     echoed[i] = True

@@ -15,12 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashnext_jax.sampling import SamplingParams
 
+from .structured import constraint_of
+
 # OpenAI / vLLM request fields that are known but not implemented here: a request that sets one (to anything but
-# null) gets a 400 naming it. Structured outputs (response_format, tools, tool_choice, ...) come from issue 17.
+# null) gets a 400 naming it. response_format / structured_outputs (both endpoints) and chat tools / tool_choice /
+# parallel_tool_calls are honoured (serving/structured.py, serving/chat_features.py); OpenAI's legacy functions /
+# function_call and vLLM's deprecated guided_* spellings are not.
 UNSUPPORTED_FIELDS = frozenset({
     "echo", "suffix",  # echo: completions only
-    "response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "functions", "function_call",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "store", "metadata",
     "service_tier", "logprobs_mode", "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search",
     "min_tokens", "bad_words", "truncate_prompt_tokens", "allowed_token_ids", "skip_special_tokens",
@@ -69,6 +73,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
+    response_format: dict[str, Any] | None = None  # OpenAI's output constraint (serving/structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -83,11 +89,14 @@ class _Sampling(_Strict):
         """The request's sampling fields into SamplingParams (which validates them); fields the request leaves
         out take `defaults` (the model's generation config, vLLM's --generation-config) or SamplingParams'."""
         names = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {
-            "logprobs", "logit_bias"}
+            "logprobs", "logit_bias", "structured_outputs"}
         given = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
         fields = {k: v for k, v in defaults.items() if k in names} | given
         return SamplingParams(**fields | {"max_tokens": max_tokens, "logprobs": self.num_logprobs(),
-                                          "logit_bias": self.token_bias(), **self.extra_params()})
+                                          "logit_bias": self.token_bias(),
+                                          "structured_outputs": constraint_of(self.response_format,
+                                                                              self.structured_outputs),
+                                          **self.extra_params()})
 
     def token_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -178,7 +187,10 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, for the chat template
+    tools: list[dict[str, Any]] | None = None  # serving/chat_features.py (needs --tool-call-parser)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

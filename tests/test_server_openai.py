@@ -155,9 +155,8 @@ def test_unsupported_completion_fields_are_a_400_naming_them(client, field, valu
     assert needle in e.value.body["message"]
 
 
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}),
-                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("echo", True)])
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("function_call", "auto"),
+                                          ("guided_json", {"type": "object"}), ("echo", True)])
 def test_unsupported_chat_fields_are_a_400_naming_them(client, field, value):
     assert field in UNSUPPORTED_FIELDS
     with pytest.raises(openai.BadRequestError) as e:
