@@ -62,16 +62,19 @@ class PoolSize:
                 f"in all, {self.num_pages * self.page_bytes / 2**30:.2f} GiB; {self.source})")
 
 
-def size_pool(spec: StoreSpec, page_size: int, num_slots: int, num_snapshots: int, k1: int, max_model_len: int,
-              utilization: float, memory: tuple[int, int] | None) -> PoolSize:
-    """The page count for a store of this spec (see the module docstring). `memory`: device_memory()."""
+def size_pool(spec: StoreSpec | tuple[StoreSpec, ...], page_size: int, num_slots: int, num_snapshots: int, k1: int,
+              max_model_len: int, utilization: float, memory: tuple[int, int] | None) -> PoolSize:
+    """The page count for a store of this spec (see the module docstring). `memory`: device_memory(). A pipeline's
+    specs (one per stage) are sized by their sum, as if every stage's store shared that one device: conservative
+    when the stages have devices of their own (sizing each stage by its own device is not built yet)."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    page_bytes = max(1, leaf_bytes(spec.page) * page_size)
+    specs = spec if isinstance(spec, tuple) else (spec,)
+    page_bytes = max(1, sum(leaf_bytes(sp.page) for sp in specs) * page_size)
     pages_per_seq = -(-max_model_len // page_size)
     if memory is not None:
         limit, in_use = memory
-        others = leaf_bytes(spec.slot) * (num_slots * k1 + num_snapshots)
+        others = sum(leaf_bytes(sp.slot) for sp in specs) * (num_slots * k1 + num_snapshots)
         budget = int(utilization * limit) - in_use - others
         pages = round_pages_down(max(budget // page_bytes, 0))
         return PoolSize(pages, page_bytes, f"{utilization:.2f} of the device's {limit / 2**30:.1f} GiB, "
