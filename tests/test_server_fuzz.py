@@ -26,8 +26,13 @@ def test_no_endpoint_answers_5xx(api_schema):
     assert len(operations) >= 9  # every route of the app, each fuzzed below
     statuses = collections.Counter()
     for op in operations:
+        # the generating routes have many optional fields (sampling, logprobs, structured outputs, tools): most random
+        # bodies are 400s, so they get more examples for some to reach generation
+        generating = op.path in ("/v1/completions", "/v1/chat/completions")
+
         @given(case=op.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=100 if generating else 25, deadline=None, suppress_health_check=list(HealthCheck),
+                  database=None, derandomize=True)  # the same examples every run: a pass is not luck
         def no_5xx(case):
             response = case.call(timeout=120)
             statuses[case.method, case.path, response.status_code // 100] += 1
