@@ -137,7 +137,7 @@ def test_steps_without_a_constrained_row_trace_no_mask_code():
     run = with_device_sampling(_fake_step)
     logits = jnp.zeros((2, 1, V))
     plain = str(jax.make_jaxpr(lambda x: run(None, None, x))(logits))
-    masked = str(jax.make_jaxpr(lambda x, m: run(None, None, x, None, False, m))(
+    masked = str(jax.make_jaxpr(lambda x, m: run(None, None, x, None, False, token_mask=m))(
         logits, jnp.full((2, 1, V // 32), -1, jnp.int32)))
     assert "shift_right" not in plain and "shift_right" in masked
 
@@ -150,7 +150,7 @@ def test_device_argmax_and_samples_stay_inside_the_mask():
     seen = set()
     for i in range(12):
         inputs = SamplingInputs.for_rows([(SamplingParams(temperature=2.0, seed=5), i)], 1)
-        _, out = run(None, None, logits, inputs, True, jnp.asarray(mask))
+        _, out = run(None, None, logits, inputs, True, token_mask=jnp.asarray(mask))
         seen.add(int(out["logits_sample"][0, 0]))
         assert int(out["logits_argmax"][0, 0]) == (97 if logits[0, 0, 97] >= logits[0, 0, 99] else 99)
         assert bool(out["logits_finite"][0, 0])  # flags and logprobs are those of the raw logits
