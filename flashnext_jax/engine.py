@@ -254,6 +254,10 @@ class EngineConfig:
     # compile the decode step for the next page-table width in the background while decoding at a width, so a
     # request whose context outgrows its width does not stall every request for a compile (compile_ahead.py)
     compile_ahead: bool = True
+    # the step's page-table width: "bucket" (a power-of-two bucket of the pages the step touches: one compile per
+    # bucket), "max" (always the widest, max_model_len's pages: one width, nothing compiles as a context grows),
+    # "auto" ("max" where the runner says a padded width costs nothing, `runner.one_page_width`, else "bucket")
+    page_table_width: str = "auto"
     # compiled step executables kept (least recently used dropped beyond): each maps ~1,000 memory regions, and
     # vm.max_map_count (65,530) ended a server that kept ~60 (step_cache.py)
     max_compiled_steps: int = 32
@@ -280,6 +284,10 @@ class Engine:
         pages = cfg.num_pages or self._size_pool(runner.store_spec(), cfg, slots, mml)
         self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.max_pages_per_row = _bucket(mp)
+        if cfg.page_table_width not in ("auto", "bucket", "max"):
+            raise ValueError(f"page_table_width must be 'auto', 'bucket' or 'max', got {cfg.page_table_width!r}")
+        self.one_width = cfg.page_table_width == "max" or (
+            cfg.page_table_width == "auto" and bool(getattr(runner, "one_page_width", False)))
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
                                   min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
@@ -326,16 +334,27 @@ class Engine:
         rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
         first = _bucket(max(1, self.cfg.min_batch_bucket))
         widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
+        widths = widths[-1:] if self.one_width else widths
         return [(b, self._decode_tokens, w, None, False, 0, False, False, self._store_key)
                 for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
 
+    def startup_shapes(self) -> list[tuple]:
+        """What `precompile` compiles by default: the decode shapes, and with one page-table width also the greedy
+        step of a full prefill chunk (max_num_batched_tokens) at every row bucket, so a long prompt's chunks
+        compile nothing. A prompt's last, shorter chunk has its own token bucket and still compiles on first use."""
+        shapes = self.decode_shapes()
+        if self.one_width:
+            t = _bucket(max(min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len), self._decode_tokens))
+            shapes += [(b, t, *rest) for b, _, *rest in shapes if t > self._decode_tokens]
+        return shapes
+
     def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
-        """Compile the step for `shapes` (default: decode_shapes()) now, with a progress bar, so that requests of
+        """Compile the step for `shapes` (default: startup_shapes()) now, with a progress bar, so that requests of
         those shapes compile nothing (with JAX's persistent compilation cache configured, a restart reads them
         from disk). Returns how many were compiled."""
         from tqdm import tqdm
 
-        shapes = list(self.decode_shapes() if shapes is None else shapes)
+        shapes = list(self.startup_shapes() if shapes is None else shapes)
         if len(shapes) > self._steps.limit:
             log.warning("precompiling %d step shapes, more than max_compiled_steps %d: keeping all of them",
                         len(shapes), self._steps.limit)
@@ -506,7 +525,8 @@ class Engine:
     def _build_batch(self, t: StepTicket) -> PackedBatch:
         B, T = t.batch_size, t.num_tokens
         ps = self.ledger.dims.page_size  # page-table width: a power-of-two bucket of the pages this step touches
-        MP = min(self.max_pages_per_row, _bucket(max(-(-(r.start + r.n) // ps) for r in t.rows)))
+        MP = self.max_pages_per_row if self.one_width else \
+            min(self.max_pages_per_row, _bucket(max(-(-(r.start + r.n) // ps) for r in t.rows)))
         slot = np.full(B, -1, np.int32)
         gen = np.zeros(B, np.int32)
         tokens = np.zeros((B, T), np.int32)

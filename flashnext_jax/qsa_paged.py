@@ -27,6 +27,7 @@ from .qsa import block_keys, project
 from .state_store import token_page_index
 
 SCORE_TILE_ELEMENTS = 1 << 24  # scores per tile (T x index heads x blocks, fp32): 64 MiB
+MAX_TILE_BLOCKS = 4096  # 16K tokens of context per tile at ratio 4
 
 
 class PagedKV(NamedTuple):
@@ -58,8 +59,9 @@ def _write(pool, kv: PagedKV, positions, values):
 
 
 def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, elements: int) -> int:
-    """Blocks per scoring tile: a power of two with batch x tokens x heads x tile <= elements (at least 1)."""
-    tile = max(1, elements // max(1, batch * tokens * index_heads))
+    """Blocks per scoring tile: a power of two with batch x tokens x heads x tile <= elements (at least 1), and
+    at most MAX_TILE_BLOCKS (a decode step's tile would otherwise span the whole page-table width)."""
+    tile = min(MAX_TILE_BLOCKS, max(1, elements // max(1, batch * tokens * index_heads)))
     tile = 1 << (tile.bit_length() - 1)
     return min(tile, max(1, n_blocks))
 
@@ -84,8 +86,10 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
         return (vals, idx), None
 
     init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
-    firsts = jnp.arange(-(-n_blocks // tile), dtype=jnp.int32) * tile
-    (vals, idx), _ = jax.lax.scan(merge, init, firsts)
+    # only the tiles holding some query's complete blocks: the trip count follows the rows' context, not the
+    # page-table width, so one padded width (the engine's default) costs nothing at short contexts
+    n_tiles = jnp.minimum(-(-jnp.max(n_complete) // tile), -(-n_blocks // tile))
+    vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile)[0], init)
     return idx, jnp.isfinite(vals)
 
 

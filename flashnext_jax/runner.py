@@ -62,10 +62,14 @@ class RealRunner:
         self.n_gdn, self.n_qsa, self.n_ple = len(cfg.gdn_layers), len(cfg.qsa_layers), len(cfg.ple_layers)
         self.num_layers = cfg.num_hidden_layers
         self.all_layers = range(cfg.num_hidden_layers)
-        self._ple_width = None
+        self._ple_row = None  # one gathered n-gram row: the width and dtype of host_prepare's output
         # QSA layers read the pages in place (qsa_paged.py) unless paged_qsa=False (the dense per-row oracle)
         self.paged_qsa = bool(paged_qsa and cfg.qsa_enabled and self.n_qsa)
         self.qsa_score_elements = int(qsa_score_elements)
+        # the engine may pad every step's page table to max_model_len's pages (one compiled width) when nothing
+        # here costs more with a wider table: the paged QSA layers loop over the row's own blocks only, while the
+        # dense oracle and the MTP layer's attention (still a dense per-row view) would copy the whole width
+        self.one_page_width = self.paged_qsa and self.k == 0
 
     # ---- protocol: what a request needs
     def store_spec(self, layers: range | None = None) -> StoreSpec:
@@ -122,11 +126,11 @@ class RealRunner:
             if out is None:
                 out = np.zeros((len(rows), T, g.shape[-1]), g.dtype)
             out[b, : len(row.tokens)] = g
-        if out is None:
-            width = self._ple_width or gather_rows(self.model.table, np.zeros((1, self.cfg.ngram_heads), np.int64),
-                                                   self.model.table_scale).shape[-1]
-            out = np.zeros((len(rows), T, width), np.float32)
-        self._ple_width = out.shape[-1]
+        if out is None:  # no row has tokens (padding; precompile's abstract batch): a real row's width and dtype
+            if self._ple_row is None:
+                self._ple_row = gather_rows(self.model.table, np.zeros((1, self.cfg.ngram_heads), np.int64),
+                                            self.model.table_scale)[0]
+            out = np.zeros((len(rows), T, self._ple_row.shape[-1]), self._ple_row.dtype)
         return {"ple_rows": out}
 
     # ---- protocol: logits of any position (prompt logprobs)

@@ -14,11 +14,25 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable, Hashable
 
 import jax
 
 log = logging.getLogger("flashnext_jax.engine")
+
+
+def memory_summary(compiled) -> str:
+    """XLA's memory analysis of a compiled step in words (what a step needs beyond the weights and the store)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend has one
+        m = None
+    if m is None:
+        return "no memory analysis on this backend"
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    return (f"arguments {gib(m.argument_size_in_bytes)}, outputs {gib(m.output_size_in_bytes)} "
+            f"({gib(m.alias_size_in_bytes)} of them donated in place), temporaries {gib(m.temp_size_in_bytes)}")
 
 
 class StepCache:
@@ -54,7 +68,9 @@ class StepCache:
             return self._run(*a)
 
         jitted = jax.jit(run, donate_argnums=(1,), static_argnums=(4,))
+        t0 = time.perf_counter()
         compiled = jitted.lower(*args).compile()
+        log.info("compiled an engine step in %.1f s: %s", time.perf_counter() - t0, memory_summary(compiled))
         with self._lock:
             self._lru[key] = compiled
             self.counters["compiled"] += 1

@@ -111,7 +111,7 @@ def test_real_model_decode_widths_are_compiled_ahead(compile_log):
 
     model = fj.load(dtype="float32")
     runner = RealRunner(model, 0)
-    eng = Engine(runner, EngineConfig(max_num_seqs=1, max_model_len=64, page_size=4))
+    eng = Engine(runner, EngineConfig(max_num_seqs=1, max_model_len=64, page_size=4, page_table_width="bucket"))
     eng.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     out = None
     while eng.has_unfinished():
@@ -135,7 +135,8 @@ import flashnext_jax as fj
 from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.runner import RealRunner
 from flashnext_jax.sampling import SamplingParams
-eng = Engine(RealRunner(fj.load(dtype="float32"), 0), EngineConfig(max_num_seqs=1, max_model_len=64, page_size=16))
+eng = Engine(RealRunner(fj.load(dtype="float32"), 0), EngineConfig(max_num_seqs=1, max_model_len=64, page_size=16,
+                                                                  page_table_width="bucket"))
 eng.add_request("r", [5, 9, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 while eng.has_unfinished():
     eng.step()
