@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import sys
@@ -58,9 +59,10 @@ def one_request(lm, prompt, decode_steps: int) -> dict:
         if ttft is None and req.output:
             ttft = time.perf_counter() - t0
             first_compiles = len(_COMPILES) - n_compiles
+            first_compile_s = sum(_COMPILES[n_compiles:])
         elif ttft is not None:
             steps.append(time.perf_counter() - ts)
-    return dict(ttft_s=ttft, compiles_before_first_token=first_compiles,
+    return dict(ttft_s=ttft, compiles_before_first_token=first_compiles, compile_s_before_first_token=first_compile_s,
                 decode_ms=statistics.median(steps) * 1e3 if steps else None, decode_steps=len(steps))
 
 
@@ -71,8 +73,13 @@ def main():
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--twice-up-to", type=int, default=32768,
+                    help="lengths up to this run a first and a second request; longer ones one (no new shapes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
     with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
         cfg = from_hf_config(json.load(f))
     cfg = dataclasses.replace(cfg, num_experts=min(args.experts, cfg.num_experts))
@@ -86,25 +93,49 @@ def main():
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
 
     n0, t0 = len(_COMPILES), time.perf_counter()
-    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=1, max_num_batched_tokens=chunk, page_size=args.page_size,
-             max_model_len=max(lengths) + decode + 64)
+    max_len = min(max(lengths) + decode + 64, cfg.max_position_embeddings)  # prompt + output <= the model's
+    pool_sizing = f"gpu_memory_utilization {args.gpu_memory_utilization} (the engine's default sizing)"
+
+    def start(num_pages=None):
+        return LLM(RandomPleRunner(model, 0), max_num_seqs=1, max_num_batched_tokens=chunk,
+                   page_size=args.page_size, max_model_len=max_len, num_pages=num_pages,
+                   gpu_memory_utilization=args.gpu_memory_utilization, precompile=True)
+
+    lm = start()
     startup = dict(startup_s=time.perf_counter() - t0, startup_compiles=len(_COMPILES) - n0,
-                   startup_compile_s=sum(_COMPILES[n0:]))
+                   startup_compile_s=sum(_COMPILES[n0:]), num_pages=lm.engine.cfg.num_pages)
     print(startup, flush=True)
     rng = np.random.default_rng(0)
     rows = []
+
+    def save(summary=None):
+        return save_result("long_context.json", rows, args.out, summary=summary, smoke=SMOKE, chunk=chunk,
+                           page_size=args.page_size, experts=cfg.num_experts, pool_sizing=pool_sizing, **startup)
+
     for n in lengths:
         row = dict(prompt_tokens=n)
+        n = min(n, max_len - decode - 1)  # the 262K row: a 262,127-token prompt, so that its decode fits too
+        row["prompt_tokens_run"] = n
         try:
-            first = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), 0)
+            if lm.engine.dead is not None:  # an earlier length killed it (e.g. out of memory): a smaller pool
+                del lm
+                pages = -(-max_len // args.page_size) + 8
+                pool_sizing = f"num_pages {pages} (one max_model_len row: the default sizing failed)"
+                lm = start(pages)
+            if n <= args.twice_up_to:
+                first = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), 0)
+                row.update(ttft_first_s=first["ttft_s"],
+                           compiles_in_first_request=first["compiles_before_first_token"],
+                           compile_s_in_first_request=first["compile_s_before_first_token"])
             second = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), decode)
-            row.update(ttft_first_s=first["ttft_s"], compiles_in_first_request=first["compiles_before_first_token"],
-                       ttft_s=second["ttft_s"], compiles_in_second_request=second["compiles_before_first_token"],
-                       decode_ms=second["decode_ms"], decode_steps=second["decode_steps"], peak_mem_gb=peak_gb())
+            row.update(ttft_s=second["ttft_s"], compiles_in_request=second["compiles_before_first_token"],
+                       decode_ms=second["decode_ms"], decode_steps=second["decode_steps"], peak_mem_gb=peak_gb(),
+                       pool_sizing=pool_sizing)
         except Exception as e:  # noqa: BLE001  (an OOM at one length must not hide the others)
             row["error"] = repr(e)[:400]
         print(row, flush=True)
         rows.append(row)
+        save()
 
     by = {r["prompt_tokens"]: r for r in rows}
     key = {4096: "4k", 32768: "32k", 131072: "128k", 262144: "262k"}
@@ -116,8 +147,7 @@ def main():
                     peak_mem_gb_262k=by.get(262144, {}).get("peak_mem_gb"),
                     startup_compile_s=startup["startup_compile_s"], device=jax.devices()[0].device_kind,
                     jax_version=jax.__version__, date=time.strftime("%Y-%m-%d", time.gmtime()))
-    path = save_result("long_context.json", rows, args.out, summary=summary, smoke=SMOKE, chunk=chunk,
-                       page_size=args.page_size, experts=cfg.num_experts, **startup)
+    path = save(summary)
     print(f"wrote {path}\n{'tokens':>8} {'TTFT 1st s':>10} {'TTFT s':>8} {'compiles 1st':>12} {'decode ms':>9} "
           f"{'peak GB':>8}")
     for r in rows:

@@ -54,8 +54,11 @@ def model_of(layers: int, experts: int):
 
 
 def run(runner, streams: int, prompt_len: int, new_tokens: int, delay: int, rows_per_step: int):
+    max_len = prompt_len + new_tokens + 16
+    # the pool these streams need, not 0.9 of the device: the PP=1 and PP=2 engines share one device in turn
+    pages = streams * -(-max_len // 16) + 8
     eng = Engine(runner, EngineConfig(max_num_seqs=streams, max_num_batched_tokens=max(512, prompt_len),
-                                      max_model_len=prompt_len + new_tokens + 16, pipeline_delay=delay,
+                                      max_model_len=max_len, num_pages=pages, page_size=16, pipeline_delay=delay,
                                       max_rows_per_step=rows_per_step, compile_ahead=False))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(streams):

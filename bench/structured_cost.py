@@ -180,7 +180,7 @@ def device_part(reps: int) -> list[dict]:
             for masked in (False, True):
                 def once():
                     mask = jax.device_put(mask_host) if masked else None
-                    _, out = run(None, None, logits, inputs, False, mask)
+                    _, out = run(None, None, logits, inputs, False, None, None, mask)  # run's argument order
                     return jax.block_until_ready(out["logits_argmax"])
                 once()
                 t = []
