@@ -41,13 +41,25 @@ SMOKE = bool(os.environ.get("ENGINE_BENCH_SMOKE"))
 
 
 class RandomPleRunner(RealRunner):
-    """RealRunner whose PLE rows are random (no n-gram table at this size here); everything else is the engine's."""
+    """RealRunner whose PLE rows come from a small random table (no n-gram table at this size here); everything
+    else is the engine's. A row's PLE input depends only on its own token and position, as the real table's does,
+    so a request's tokens do not change with the batch it is in (bench/pp_gpus.py compares PP=2 with PP=1)."""
+
+    TABLE_ROWS = 4096
 
     def host_prepare(self, rows, T: int):
         if not self.n_ple:
             return {}
-        rng = np.random.default_rng(T)
-        return {"ple_rows": (rng.standard_normal((len(rows), T, self.cfg.ple_embed_dim)) * 0.02).astype(np.float32)}
+        if getattr(self, "_random_table", None) is None:
+            rng = np.random.default_rng(0)
+            self._random_table = (rng.standard_normal((self.TABLE_ROWS, self.cfg.ple_embed_dim)) * 0.02).astype(
+                np.float32)
+        out = np.zeros((len(rows), T, self.cfg.ple_embed_dim), np.float32)
+        for b, row in enumerate(rows):
+            if row is not None and len(row.tokens):
+                pos = row.start + np.arange(len(row.tokens))
+                out[b, : len(row.tokens)] = self._random_table[(np.asarray(row.tokens) * 7919 + pos) % self.TABLE_ROWS]
+        return {"ple_rows": out}
 
 
 def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16,

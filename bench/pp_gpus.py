@@ -9,7 +9,7 @@ per-stage idle fraction (`StageTimeline`, measured from completion times, and th
 the bytes of hidden state crossing between the stages.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/pp_gpus.py                       # 2 GPUs
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/pp_gpus.py --same-device --layers 4
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/pp_gpus.py --same-device --layers 4 [--dtype float32]
   PP_BENCH_SMOKE=1 XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu PYTHONPATH=. \\
       python3 bench/pp_gpus.py --out /tmp/pp2_cpu.json                                       # CPU dry run
 """
@@ -41,7 +41,7 @@ from flashnext_jax.stages import StagePlan
 SMOKE = bool(os.environ.get("PP_BENCH_SMOKE"))
 
 
-def model_of(layers: int, experts: int):
+def model_of(layers: int, experts: int, dtype=jnp.bfloat16):
     with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
         cfg = from_hf_config(json.load(f))
     layers = min(layers, cfg.num_hidden_layers)
@@ -50,7 +50,7 @@ def model_of(layers: int, experts: int):
                               ple_layers=tuple(p for p in cfg.ple_layers if p < layers))
     params, _, _ = decode_step.build(cfg, jax.random.key(0))
     jax.block_until_ready(params)
-    return api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+    return api.Model(cfg, params, table=None, dtype=dtype)
 
 
 def run(runner, streams: int, prompt_len: int, new_tokens: int, delay: int, rows_per_step: int):
@@ -88,13 +88,15 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--same-device", action="store_true", help="both stages on device 0 (one-GPU check)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32 runs the exact reference paths: PP=2 must then equal PP=1 token for token")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if SMOKE:
         args.layers, args.prompt, args.tokens = min(args.layers, 8), 12, 6
     devs = jax.devices()
     print(f"{devs[0].device_kind} x{len(devs)} jax {jax.__version__}", flush=True)
-    model = model_of(args.layers, args.experts)
+    model = model_of(args.layers, args.experts, getattr(jnp, args.dtype))
     base = RandomPleRunner(model, 0)
     n = model.cfg.num_hidden_layers
     outs1, tok1, _ = run(base, args.streams, args.prompt, args.tokens, 0, None)
@@ -109,8 +111,13 @@ def main():
                                                                                       pipe.plan.stages],
                    same_device=args.same_device, stage_devices=[str(d) for d in stage_devs], smoke=SMOKE)
     print(json.dumps(summary, indent=1), flush=True)
+    rows = []  # per stream: where PP=2 first differs from PP=1 (a bf16 rounding difference shows up late, a bug early)
+    for rid in sorted(outs1):
+        a, b = outs1[rid], outs2.get(rid, [])
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+        rows.append(dict(stream=rid, first_difference=first, pp1=a, pp2=b))
     name = "pp2_gpu_same_device.json" if args.same_device else "pp2_gpu.json"
-    path = save_result(name, [], args.out, **summary)
+    path = save_result(name, rows, args.out, dtype=args.dtype, **summary)
     print("wrote", path)
     return 0 if summary["greedy_identical"] else 1
 

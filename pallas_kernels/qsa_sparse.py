@@ -13,13 +13,14 @@ References with the same contracts: qsa_sparse_reference.py. `impl` (or FLASHNEX
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import qsa_sparse_reference as ref
-from pallas_kernels.quant_layout import resolve_impl
+from pallas_kernels.quant_layout import ENV_VAR, resolve_impl
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -141,8 +142,13 @@ def indexer_scores(q_index, keys, n_complete, block0=0, *, impl: str | None = No
 
 def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, *, ratio: int,
                      impl: str | None = None, query_tile: int = 128):
-    """Kernel or reference per the switch (qsa_sparse_reference.sparse_attention has the contract)."""
-    mode = resolve_impl(impl)
+    """Kernel or reference per the switch (qsa_sparse_reference.sparse_attention has the contract). Unlike the
+    other kernels, 'auto' means the reference here on a GPU too: on the H200 the kernel took 1.51 ms per layer for a
+    decode query against the reference's 0.13 ms and 114 ms against 46 ms for an 8,192-token chunk
+    (bench/results/qsa_kernels.json: one program per query walks 513 blocks of 4 keys, latency bound).
+    'pallas' (argument or FLASHNEXT_KERNELS) still runs the kernel."""
+    choice = impl if impl is not None else os.environ.get(ENV_VAR, "auto")
+    mode = "reference" if choice == "auto" else resolve_impl(choice)
     if mode == "reference":
         return ref.sparse_attention(q, k_pool, v_pool, layer, blk_page, blk_off, blk_len, ratio=ratio,
                                     query_tile=query_tile)
