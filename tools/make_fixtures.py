@@ -50,7 +50,7 @@ torch.set_num_threads(1)  # tiny tensors: more threads only add contention
 # --------------------------------------------------------------------------------------------------------------
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_spec import (CHAT_TEMPLATE, EOS_ID, MTP_CONFIG, N_SPECIAL, PRETOKENIZE_REGEX, SPECIALS,  # noqa: E402
-                       TEXT_CONFIG, VOCAB, train_tokenizer)
+                       PREPROCESSOR_CONFIG, TEXT_CONFIG, VISION_CONFIG_IDS, VISION_TOKENS, VOCAB, train_tokenizer)
 
 MODEL_SEED = 1            # first seed (from 0) whose reference runs pass every margin check (`--search`)
 N_NEW_TOKENS = 40
@@ -104,8 +104,9 @@ def write_tokenizer_files(tok, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     tok.model.save(str(out))  # vocab.json + merges.txt (BPE part only, like the Qwen releases)
-    added = {str(EOS_ID + i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": True} for i, s in enumerate(SPECIALS)}
+    specials = {**{c: i for c, i in VISION_TOKENS.items()}, **{s: EOS_ID + i for i, s in enumerate(SPECIALS)}}
+    added = {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for s, i in sorted(specials.items(), key=lambda x: x[1])}
     tcfg = {
         "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
         "bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
@@ -610,8 +611,9 @@ def write_release_layout(causal_dir: Path, out: Path, tok, seed: int, cfg, mtp):
     tc["mtp"] = MTP_CONFIG
     top = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
            "text_config": dict(sorted(tc.items())), "vision_config": {"model_type": "qwen4_exp_vision", **VISION_CONFIG},
-           "tie_word_embeddings": False, "dtype": "bfloat16", "transformers_version": "5.24.0"}
+           **VISION_CONFIG_IDS, "tie_word_embeddings": False, "dtype": "bfloat16", "transformers_version": "5.24.0"}
     (out / "config.json").write_text(json.dumps(top, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
     write_tokenizer_files(tok, out)
     return mtp
 
