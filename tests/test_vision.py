@@ -75,3 +75,41 @@ def test_pad_token_expansion_matches_the_processor(chat):
 def test_expansion_refuses_a_placeholder_count_that_differs_from_the_images():
     with pytest.raises(PreprocessError, match="2 image placeholders but 1 images"):
         expand_image_tokens([1, 186, 2, 186], np.array([[1, 4, 4]]), 186, 2)
+
+
+def rel_err(got, want) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+
+@pytest.fixture(scope="module")
+def tower():
+    import jax.numpy as jnp
+
+    from flashnext_jax.vision import load_vision_params
+
+    return load_vision_params(DEMO_MODEL, jnp.float32)
+
+
+def test_vision_tower_matches_transformers_for_several_images_at_once(tower):
+    from flashnext_jax.vision import image_embeddings
+
+    cfg, params = tower
+    names = [str(n) for n in REF["tower/images"]]
+    pixel_values = np.concatenate([REF[f"image/{n}/pixel_values"] for n in names])
+    grid = np.concatenate([REF[f"image/{n}/grid_thw"] for n in names])
+    got = np.asarray(image_embeddings(params, cfg, pixel_values, grid))
+    offset = 0
+    for n in names:
+        want = REF[f"tower/{n}/embeddings"]
+        assert rel_err(got[offset: offset + len(want)], want) <= 1e-4, n
+        offset += len(want)
+    assert offset == len(got)
+
+
+def test_vision_tower_of_one_image_alone_equals_its_rows_in_a_batch(tower):
+    """Attention stays within each image: a batch's rows equal each image run alone."""
+    from flashnext_jax.vision import image_embeddings
+
+    cfg, params = tower
+    alone = np.asarray(image_embeddings(params, cfg, REF["image/tiny/pixel_values"], REF["image/tiny/grid_thw"]))
+    assert rel_err(alone, REF["tower/tiny/embeddings"]) <= 1e-4
