@@ -113,3 +113,43 @@ def test_vision_tower_of_one_image_alone_equals_its_rows_in_a_batch(tower):
     cfg, params = tower
     alone = np.asarray(image_embeddings(params, cfg, REF["image/tiny/pixel_values"], REF["image/tiny/grid_thw"]))
     assert rel_err(alone, REF["tower/tiny/embeddings"]) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_fp32():
+    from flashnext_jax.api import load
+
+    return load(DEMO_MODEL, dtype="float32")
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_mrope_positions_match_transformers_get_rope_index(chat):
+    from flashnext_jax.mrope import prompt_positions
+
+    hf = json.loads((DEMO_MODEL / "config.json").read_text())
+    pos, delta = prompt_positions(REF[f"chat/{chat}/ids"], REF[f"chat/{chat}/grid_thw"], hf["image_token_id"],
+                                  hf["vision_config"]["spatial_merge_size"])
+    assert np.array_equal(pos, REF[f"chat/{chat}/positions"])
+    assert delta == int(REF[f"chat/{chat}/rope_delta"]) and delta < 0
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_image_chat_logits_match_transformers(model_fp32, chat):
+    from flashnext_jax.api import ImageInput
+
+    images = ImageInput(REF[f"chat/{chat}/pixel_values"], REF[f"chat/{chat}/grid_thw"])
+    got = model_fp32.logits(REF[f"chat/{chat}/ids"].tolist(), images=images)
+    assert rel_err(got, REF[f"chat/{chat}/logits"]) <= 1e-4
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_image_chat_greedy_continuation_matches_transformers(model_fp32, chat):
+    from flashnext_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(DEMO_MODEL)
+    msgs = META["chats"][chat]["messages"]
+    ids, images = model_fp32.image_prompt(tok.apply_chat_template(msgs, tokenize=True),
+                                          [image(n) for n in META["chats"][chat]["images"]])
+    assert ids == REF[f"chat/{chat}/ids"].tolist()
+    want = REF[f"chat/{chat}/generated"].tolist()
+    assert model_fp32.generate(ids, max_new_tokens=len(want), images=images) == want
