@@ -15,6 +15,8 @@ Outputs (deterministic for a given venv: single torch thread; ~30 s on 2 CPU cor
                                      2 safetensors shards + index). The project's embedded default model.
   tests/fixtures/reference_tiny.npz  transformers fp32 reference outputs (logits, greedy generations, MTP)
   tests/fixtures/reference_tiny.json index/metadata of the npz (prompts, lengths, margins, config)
+  tests/fixtures/reference_vision.*  `--vision`: the image processor (Pillow backend), vision tower and image chats
+                                     on the demo model as committed (docs/vision.md)
 
 Reference runs use the bf16 checkpoint RELOADED from disk as float32 (so inv_freq is computed in fp32 and the
 weights are exactly the bf16 values the JAX port will load).
