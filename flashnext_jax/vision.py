@@ -112,14 +112,18 @@ def grid_tables(cfg: VisionConfig, grid_thw) -> dict[str, np.ndarray]:
     (row, col) [N, 2], and the image each patch belongs to [N] (attention stays within an image and frame)."""
     taps, weights, rc, segment = [], [], [], []
     side, merge = cfg.grid_side, cfg.spatial_merge_size
-    for i, (t, gh, gw) in enumerate(np.asarray(grid_thw).tolist()):
+    frames = 0  # frames so far: each frame of each image is its own attention segment (transformers' cu_seqlens)
+    for t, gh, gw in np.asarray(grid_thw).tolist():
+        if gh % merge or gw % merge:
+            raise ValueError(f"image grid {gh}x{gw} is not a multiple of spatial_merge_size {merge}")
         rows, cols = merge_order_rows_cols(gh, gw, merge)
         ht, hw = _axis_taps(rows, gh, side)
         wt, ww = _axis_taps(cols, gw, side)
         taps.append(np.tile((ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4), (t, 1)))
         weights.append(np.tile((hw[:, :, None] * ww[:, None, :]).reshape(-1, 4), (t, 1)))
         rc.append(np.tile(np.stack([rows, cols], -1), (t, 1)))
-        segment.append(np.repeat(np.arange(t) + 1000 * i, gh * gw))
+        segment.append(np.repeat(np.arange(t) + frames, gh * gw))
+        frames += t
     return {"taps": np.concatenate(taps), "weights": np.concatenate(weights), "rc": np.concatenate(rc),
             "segment": np.concatenate(segment)}
 

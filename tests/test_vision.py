@@ -153,3 +153,17 @@ def test_image_chat_greedy_continuation_matches_transformers(model_fp32, chat):
     assert ids == REF[f"chat/{chat}/ids"].tolist()
     want = REF[f"chat/{chat}/generated"].tolist()
     assert model_fp32.generate(ids, max_new_tokens=len(want), images=images) == want
+
+
+def test_image_input_errors_are_clear(model_fp32):
+    from flashnext_jax.api import ImageInput, load
+
+    chat = CHATS[0]
+    images = ImageInput(REF[f"chat/{chat}/pixel_values"], REF[f"chat/{chat}/grid_thw"])
+    text_only = [t for t in REF[f"chat/{chat}/ids"].tolist() if t != 186]
+    with pytest.raises(ValueError, match="0 image pad tokens"):
+        model_fp32.logits(text_only, images=images)
+    text_model = load(FIX / "tiny_causal", dtype="float32")  # CausalLM layout: no vision tower
+    assert text_model.vision is None
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_model.generate([1, 2], 1, images=images)
