@@ -117,6 +117,8 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
         y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
                                                          layer_state["gdn_rec"], valid, n_valid, ends)
     elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
+        if mrope is not None:
+            raise NotImplementedError("3-D (image) positions on the paged QSA path: the engine takes no images yet")
         y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid, layer_state["qsa_pages"])
     else:
         cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
