@@ -6,6 +6,7 @@ run the model, used by notebooks, parity tests and the `flashnext generate` CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from .config import ModelConfig, from_hf_config
 from .layer_stack import with_stacked_layers
 from .model import Batch, State, forward, init_state
+from .mrope import MRope, position_table, prompt_positions, section_of
 from .mtp import init_mtp_cache, mtp_forward
 from .ple import NgramHasher, gather_rows
 from .weights import PLE_BUFFERS, CheckpointError, build_params, check_tensors
@@ -59,17 +61,38 @@ def _mtp_step(params, cfg, hyper, next_tokens, start, n_valid, cache):
     return mtp_forward(params, cfg, hyper, next_tokens, start, n_valid, cache)
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    """Preprocessed images of one prompt (vision_preprocess.preprocess_images), in the order of their pad runs."""
+
+    pixel_values: np.ndarray  # [patches, 3 * temporal_patch_size * patch^2] float32
+    grid_thw: np.ndarray  # [n_images, 3] int
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+    """What image input needs besides the text model: the tower, the image token and the MRoPE layout."""
+
+    cfg: object  # vision.VisionConfig
+    params: dict
+    image_token_id: int
+    mrope_section: tuple[int, int, int]
+    processor: object | None  # vision_preprocess.ImageProcessorConfig (None without preprocessor_config.json)
+
+
 class Model:
-    """A loaded model: config, params (device), the n-gram table (host) and its hasher."""
+    """A loaded model: config, params (device), the n-gram table (host) and its hasher; the vision tower when the
+    checkpoint has one (`vision`)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, table, dtype, path: Path | None = None,
-                 table_scale: float | None = None):
+                 table_scale: float | None = None, vision: VisionTower | None = None):
         # decoder layers stacked over layers: ~80 arrays instead of ~1660, each costing host time per call
         params = with_stacked_layers(params)
         self.cfg, self.params, self.table, self.dtype, self.path = cfg, params, table, dtype, path
         self.table_scale = table_scale  # FP8 n-gram tables carry one per-tensor scale
         self.hasher = NgramHasher(cfg) if cfg.ple_layers else None
         self.has_mtp = "mtp" in params
+        self.vision = vision
 
     # ---- host side --------------------------------------------------------------------------------
     def check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -100,14 +123,58 @@ class Model:
                      n_valid=jnp.asarray([len(tokens)], jnp.int32),
                      ple_rows=jnp.asarray(self.ple_rows(context, tokens, length), self.dtype))
 
+    # ---- image input ------------------------------------------------------------------------------
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], ImageInput]:
+        """A templated prompt with one <|image_pad|> per image + PIL images -> (ids with the pads expanded, the
+        preprocessed images), as transformers' processor does."""
+        from .vision_preprocess import expand_image_tokens, preprocess_images
+
+        tower = self._tower()
+        if tower.processor is None:
+            raise ValueError("this checkpoint has no preprocessor_config.json")
+        pixel_values, grid = preprocess_images(list(images), tower.processor)
+        ids = expand_image_tokens(list(token_ids), grid, tower.image_token_id, tower.processor.merge_size)
+        return ids, ImageInput(pixel_values, grid)
+
+    def image_embeddings(self, images: ImageInput) -> jax.Array:
+        """The vision tower's output [image tokens, hidden] (one row per pad token, images in order)."""
+        from .vision import image_embeddings
+
+        tower = self._tower()
+        return image_embeddings(tower.params, tower.cfg, images.pixel_values, images.grid_thw)
+
+    def _tower(self) -> VisionTower:
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower (model.visual.* and vision_config)")
+        return self.vision
+
+    def _image_fields(self, ids: np.ndarray, images: ImageInput, length: int, cache_len: int) -> tuple[dict, int]:
+        """Batch fields of an image prompt (pads replaced by the tower's rows, 3-D positions) and its rope_delta."""
+        tower = self._tower()
+        mask = ids == tower.image_token_id
+        rows = self.image_embeddings(images)
+        if int(mask.sum()) != rows.shape[0]:
+            raise ValueError(f"the prompt has {int(mask.sum())} image pad tokens, the images give {rows.shape[0]}")
+        positions, delta = prompt_positions(ids, images.grid_thw, tower.image_token_id, tower.cfg.spatial_merge_size)
+        padded_mask = np.zeros((1, length), bool)
+        padded_mask[0, : len(ids)] = mask
+        embeds = jnp.zeros((1, length, rows.shape[1]), self.dtype).at[0, np.nonzero(mask)[0]].set(
+            rows.astype(self.dtype))
+        mrope = MRope(jnp.asarray(position_table(positions, delta, cache_len)[None]), tower.mrope_section)
+        return dict(image_embeds=embeds, image_mask=jnp.asarray(padded_mask), mrope=mrope), delta
+
     # ---- public API -------------------------------------------------------------------------------
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Prefill one unpadded sequence -> fp32 logits [T, vocab]."""
+    def logits(self, token_ids: Sequence[int], images: ImageInput | None = None) -> np.ndarray:
+        """Prefill one unpadded sequence -> fp32 logits [T, vocab]. With `images`, token_ids hold their expanded
+        pad tokens (`image_prompt`)."""
         ids = self.check_tokens(token_ids)
         t = len(ids)
         length = _bucket(t)
         state = init_state(self.cfg, 1, length, self.dtype)
-        logits, _, _ = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, False)
+        batch = self._batch(ids, 0, length, None)
+        if images is not None:
+            batch = batch.replace(**self._image_fields(ids, images, length, state.kv_k.shape[2])[0])
+        logits, _, _ = _step(self.params, self.cfg, batch, state, False)
         return np.asarray(logits[0, :t], np.float32)
 
     def hidden_and_logits(self, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -135,8 +202,10 @@ class Model:
                                  jnp.zeros((1,), jnp.int32), jnp.asarray([t - 1], jnp.int32), cache)
         return np.asarray(logits[0, : t - 1], np.float32)
 
-    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32, *, stop_at_eos: bool = False) -> list[int]:
-        """Greedy decoding: prefill, then one incremental decode step per new token on this request's state."""
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32, *, stop_at_eos: bool = False,
+                 images: ImageInput | None = None) -> list[int]:
+        """Greedy decoding: prefill, then one incremental decode step per new token on this request's state. With
+        `images` (token_ids expanded, see `logits`) the decode steps sit at their index + rope_delta."""
         ids = self.check_tokens(token_ids)
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
@@ -147,7 +216,11 @@ class Model:
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_position_embeddings")
         state = init_state(self.cfg, 1, _bucket(total), self.dtype)
         length = _bucket(len(ids))
-        logits, _, state = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, True)
+        batch, mrope = self._batch(ids, 0, length, None), None
+        if images is not None:
+            fields = self._image_fields(ids, images, length, state.kv_k.shape[2])[0]
+            batch, mrope = batch.replace(**fields), fields["mrope"]
+        logits, _, state = _step(self.params, self.cfg, batch, state, True)
         context = self.hasher.next_context(self.hasher.initial_context(), ids) if self.hasher else None
         out: list[int] = []
         pos = len(ids)
@@ -157,7 +230,10 @@ class Model:
             if len(out) == max_new_tokens or (stop_at_eos and token == self.cfg.eos_token_id):
                 return out
             step_ids = np.array([token], np.int64)
-            logits, _, state = _step(self.params, self.cfg, self._batch(step_ids, pos, 1, context), state, True)
+            batch = self._batch(step_ids, pos, 1, context)
+            if mrope is not None:
+                batch = batch.replace(mrope=mrope)
+            logits, _, state = _step(self.params, self.cfg, batch, state, True)
             if self.hasher:
                 context = self.hasher.next_context(context, step_ids)
             pos += 1
@@ -191,7 +267,23 @@ def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
     params = with_stacked_layers(build_params(cfg, tensors, jdtype), free_sources=True)
     log.info("loaded %s (%d tensors%s) in %.1fs", path, len(tensors), ", MTP" if has_mtp else "",
              time.perf_counter() - t0)
-    return Model(cfg, params, table, jdtype, path, table_scale)
+    return Model(cfg, params, table, jdtype, path, table_scale, _load_vision(path, jdtype))
+
+
+def _load_vision(path: Path, dtype) -> VisionTower | None:
+    """The checkpoint's vision tower (unquantized, as the release keeps it), or None if it has none."""
+    from .vision import load_vision_params
+    from .vision_preprocess import load_processor_config
+
+    hf = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if "vision_config" not in hf or "image_token_id" not in hf or not any(path.glob("*.safetensors")):
+        return None  # text-only, or our converted format (the converter does not keep model.visual.* yet)
+    loaded = load_vision_params(path, dtype)
+    if loaded is None:
+        return None
+    processor = load_processor_config(path) if (path / "preprocessor_config.json").exists() else None
+    log.info("vision tower: %d blocks, %d-wide", loaded[0].depth, loaded[0].hidden_size)
+    return VisionTower(loaded[0], loaded[1], int(hf["image_token_id"]), section_of(hf["text_config"]), processor)
 
 
 def torch_shape(value) -> tuple:

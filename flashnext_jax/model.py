@@ -20,6 +20,7 @@ from .gdn import gdn_forward
 from .hyper import hyper_read, hyper_write
 from .layers import linear
 from .moe import moe_forward
+from .mrope import MRope
 from .ple import ple_forward
 from .qsa import qsa_forward
 from .qsa_paged import qsa_paged_forward
@@ -43,6 +44,10 @@ class Batch:
     start: jax.Array  # [B] int32: tokens already in this row's state
     n_valid: jax.Array  # [B] int32: real tokens in this row (the rest is right padding)
     ple_rows: jax.Array  # [n_ple, B, T, E]: host-gathered n-gram rows (zeros where padding)
+    # image input (None for text): vision-tower rows replacing the embeddings where image_mask, 3-D rotary positions
+    image_embeds: jax.Array | None = None  # [B, T, H]
+    image_mask: jax.Array | None = None  # [B, T] bool
+    mrope: MRope | None = None
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype) -> State:
@@ -90,7 +95,7 @@ def layer_counts(cfg: ModelConfig, layers: range) -> dict[str, int]:
 
 
 def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions, valid, n_valid, layer_state: dict,
-                  ends=None):
+                  ends=None, mrope: MRope | None = None):
     """One decoder layer: (PLE) -> read -> GDN|QSA -> write -> read -> MoE -> write. Returns (x, new layer_state).
 
     `layer_state` holds this layer's own state under its `State` field names (see `layer_state_index`), so the
@@ -99,6 +104,7 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     column (a leading K1 axis after the row axis) instead of after each row's last valid token; the QSA caches
     always come back whole, with this step's keys written at `positions`. A QSA layer given `qsa_pages` (a
     `qsa_paged.PagedKV`) instead of dense caches reads and writes the store's pages and returns the PagedKV.
+    `mrope` (image input, dense caches only) gives the QSA layers 3-D rotary positions.
     """
     new = {}
     if layer in cfg.ple_layers:
@@ -111,11 +117,13 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
         y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
                                                          layer_state["gdn_rec"], valid, n_valid, ends)
     elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
+        if mrope is not None:
+            raise NotImplementedError("3-D (image) positions on the paged QSA path: the engine takes no images yet")
         y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid, layer_state["qsa_pages"])
     else:
         cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
         y, (new["kv_k"], new["kv_v"], new["kv_index"]) = qsa_forward(lp["self_attn"], cfg, u, positions, valid,
-                                                                     cache)
+                                                                     cache, mrope)
     x = hyper_write(x, y, gains)
 
     u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
@@ -124,7 +132,7 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
 
 
 def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, positions, valid, n_valid,
-                  state: dict, ends=None, keep=None):
+                  state: dict, ends=None, keep=None, mrope: MRope | None = None):
     """Decoder layers `layers` (a pipeline stage; range(num_layers) = the whole model) -> (x, new state).
 
     `layer_params` iterates the params of exactly these layers, in order. `state[name]` has the stage-local
@@ -150,7 +158,7 @@ def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, po
             layer_state["gdn_rec"] = rec._replace(layer=index["gdn_rec"])
         if pages is not None and "kv_k" in index:
             layer_state["qsa_pages"] = pages._replace(layer=index["kv_k"])
-        x, layer_state = decoder_layer(lp, cfg, layer, x, rows, positions, valid, n_valid, layer_state, ends)
+        x, layer_state = decoder_layer(lp, cfg, layer, x, rows, positions, valid, n_valid, layer_state, ends, mrope)
         if in_place and "gdn_rec" in layer_state:
             rec = layer_state.pop("gdn_rec")
         if "qsa_pages" in layer_state:
@@ -175,10 +183,14 @@ def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < batch.n_valid[:, None]
-    x = embed_hyper(params, cfg, batch.tokens)
+    if batch.image_embeds is None:
+        x = embed_hyper(params, cfg, batch.tokens)
+    else:  # the pad tokens' embeddings replaced by the vision tower's rows (PLE still hashes the pad ids)
+        rows = jnp.where(batch.image_mask[..., None], batch.image_embeds, embed(params, batch.tokens))
+        x = jnp.tile(rows, (1, 1, cfg.hc_count))
     fields = {f: getattr(state, f) for f in ("gdn_conv", "gdn_rec", "kv_k", "kv_v", "kv_index", "ple_conv")}
     x, new = decoder_stack(params["layers"], cfg, range(cfg.num_hidden_layers), x, batch.ple_rows, positions, valid,
-                           batch.n_valid, fields)
+                           batch.n_valid, fields, mrope=batch.mrope)
     return x, state.replace(**new)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layers import apply_rope, linear, linear_group, rms_norm, rope_cos_sin
+from .mrope import MRope, mrope_cos_sin
 
 
 def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
@@ -29,12 +30,17 @@ def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid:
     return cache.at[rows, pos].set(new.astype(cache.dtype), mode="drop")
 
 
-def block_keys(p: dict, cfg: ModelConfig, raw, blocks):
+def block_keys(p: dict, cfg: ModelConfig, raw, blocks, mrope: MRope | None = None):
     """Compressed block keys [B, N, dI] from the raw index keys of N complete blocks raw [B, N, ratio, dI] with
-    block numbers blocks [N]: RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back)."""
+    block numbers blocks [N]: RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back). With
+    image input (`mrope`) that is the 3-D position of the block's first token."""
     pooled = jnp.mean(raw.astype(jnp.float32), axis=2).astype(raw.dtype)
     pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
-    cos, sin = rope_cos_sin(blocks * cfg.indexer_compress_ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
+    if mrope is None:
+        cos, sin = rope_cos_sin(blocks * cfg.indexer_compress_ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
+    else:
+        starts = jnp.broadcast_to(blocks * cfg.indexer_compress_ratio, (raw.shape[0], blocks.shape[0]))
+        cos, sin = mrope_cos_sin(mrope.at(starts), mrope.section, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
     return apply_rope(pooled, cos, sin)
 
 
@@ -45,10 +51,11 @@ def block_scores(q_index, keys):
     return jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
 
 
-def project(p: dict, cfg: ModelConfig, u, positions):
+def project(p: dict, cfg: ModelConfig, u, positions, mrope: MRope | None = None):
     """The layer's per-token projections: q [B, T, nh, hd] (normed, roped), gate [B, T, nh*hd], k (normed, roped) and
     v [B, T, kv, hd], and with the indexer on, q_index [B, T, nI, dI] (normed, roped) and the raw index key
-    [B, T, dI] (what the cache holds); both None when QSA is off."""
+    [B, T, dI] (what the cache holds); both None when QSA is off. `mrope` (image input): the 3-D positions of
+    the cache indices `positions` drive the rotation instead."""
     bsz, t, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg, k, v = linear_group(u, p, ("q_proj", "k_proj", "v_proj"))
@@ -57,7 +64,10 @@ def project(p: dict, cfg: ModelConfig, u, positions):
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k.reshape(bsz, t, nkv, hd), p["k_norm"], cfg.rms_norm_eps)
     v = v.reshape(bsz, t, nkv, hd)
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
+    if mrope is None:
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, u.dtype)
+    else:
+        cos, sin = mrope_cos_sin(mrope.at(positions), mrope.section, cfg.rotary_dim, cfg.rope_theta, u.dtype)
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     k = apply_rope(k, cos[:, :, None], sin[:, :, None])
     if not cfg.qsa_enabled:
@@ -70,7 +80,7 @@ def project(p: dict, cfg: ModelConfig, u, positions):
     return q, gate, k, v, q_index, qk_index[..., ni * di :]
 
 
-def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
+def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions, mrope: MRope | None = None):
     """Allowed-key mask [B, T, L] from the indexer (causal AND selected blocks OR tail).
 
     q_index [B, T, nI, dI] (normed and roped); index_cache [B, L, dI] raw keys; positions [B, T] query positions.
@@ -79,7 +89,7 @@ def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
     ratio = cfg.indexer_compress_ratio
     nblocks = length // ratio
     raw = index_cache[:, : nblocks * ratio].reshape(bsz, nblocks, ratio, d)
-    scores = block_scores(q_index, block_keys(p, cfg, raw, jnp.arange(nblocks)))  # [B, T, nblocks]
+    scores = block_scores(q_index, block_keys(p, cfg, raw, jnp.arange(nblocks), mrope))  # [B, T, nblocks]
     complete = (jnp.arange(nblocks)[None, None, :] + 1) * ratio <= positions[..., None] + 1
     k = min(cfg.block_topk, nblocks)
     top_val, top_idx = jax.lax.top_k(jnp.where(complete, scores, -jnp.inf), k)
@@ -99,8 +109,9 @@ def selection_mask(p: dict, cfg: ModelConfig, q_index, index_cache, positions):
     return causal & (in_block | in_tail)
 
 
-def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache):
-    """One QSA layer. u [B, T, H]; positions [B, T]; valid [B, T]; cache = (k [B, L, kv, hd], v, index [B, L, dI]).
+def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache, mrope: MRope | None = None):
+    """One QSA layer. u [B, T, H]; positions [B, T] (cache indices); valid [B, T]; cache = (k [B, L, kv, hd], v,
+    index [B, L, dI]); mrope: the rows' 3-D rotary positions when the prompt has images (None: text positions).
 
     Returns (y [B, T, H], new cache).
     """
@@ -109,14 +120,14 @@ def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache):
     k_cache, v_cache, index_cache = cache
     length = k_cache.shape[1]
 
-    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions)
+    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions, mrope)
     k_cache = _scatter_rows(k_cache, k, positions, valid)
     v_cache = _scatter_rows(v_cache, v, positions, valid)
 
     key_pos = jnp.arange(length)
     if cfg.qsa_enabled:
         index_cache = _scatter_rows(index_cache, k_index, positions, valid)
-        allowed = selection_mask(p["indexer"], cfg, q_index, index_cache, positions)
+        allowed = selection_mask(p["indexer"], cfg, q_index, index_cache, positions, mrope)
     else:
         allowed = key_pos[None, None, :] <= positions[..., None]
 

@@ -72,12 +72,63 @@ TEXT_CONFIG = dict(
 MTP_CONFIG = dict(hybrid=True, layer_types=["full_attention"], mtp_use_hidden_state_from_layer=None,
                   num_hidden_layers=1, rope_theta=10000000)
 
+# String content renders exactly as before content parts existed; an image part becomes the Qwen-VL placeholder
+# (the processor expands <|image_pad|> to one token per merged patch).
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Vision tokens (issue 21) take the ids of four byte-level tokens no valid UTF-8 text can produce (bytes 0xFC-0xFF
+# never occur in UTF-8, so no merge uses them either): adding them changes neither the weights nor the tokenization
+# of any text. The real release has them after its BPE vocabulary (248053, 248054, 248056, 248057).
+VISION_TOKENS = {"<|vision_start|>": 184, "<|vision_end|>": 185, "<|image_pad|>": 186, "<|video_pad|>": 187}
+VISION_CONFIG_IDS = {"vision_start_token_id": 184, "vision_end_token_id": 185, "image_token_id": 186,
+                     "video_token_id": 187}
+
+# preprocessor_config.json: the release's Qwen2VLImageProcessor settings (mean/std 0.5, bicubic, 1/255) with the
+# pixel limits scaled to the tiny patch: the release allows 256..65536 patches of 16x16 (65536..16777216 pixels);
+# the demo the same patch counts of 4x4, so an image costs the same number of tokens as in the release.
+PREPROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+    "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 256 * 4 * 4, "longest_edge": 65536 * 4 * 4},
+}
+
+def add_vision_tokens(tok):
+    """The byte-level tokenizer with VISION_TOKENS as special tokens at their ids (idempotent)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    by_id = {i: s for s, i in vocab.items()}
+    for content, idx in VISION_TOKENS.items():
+        if by_id[idx] != content:
+            assert by_id[idx] in _UNREACHABLE_BYTE_CHARS, (idx, by_id[idx])
+            del vocab[by_id[idx]]
+            vocab[content] = idx  # the added token then keeps this id (a new one would collide with the BPE ids)
+    have = {a["content"] for a in spec["added_tokens"]}
+    spec["added_tokens"] += [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for c, i in VISION_TOKENS.items() if c not in have]
+    spec["added_tokens"].sort(key=lambda a: a["id"])
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+_UNREACHABLE_BYTE_CHARS = {chr(c) for c in range(0xFC, 0x100)}  # ByteLevel maps bytes 0xA1-0xFF to themselves
+
 
 # Qwen3.5's pre-tokenizer split (transformers models/qwen3_5/tokenization_qwen3_5.py; make_fixtures asserts equality)
 PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
@@ -106,4 +157,4 @@ def train_tokenizer(texts: Iterable[str]):
     assert tok.get_vocab_size() == VOCAB
     for i, s in enumerate(SPECIALS):
         assert tok.token_to_id(s) == EOS_ID + i
-    return tok
+    return add_vision_tokens(tok)

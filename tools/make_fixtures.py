@@ -15,6 +15,8 @@ Outputs (deterministic for a given venv: single torch thread; ~30 s on 2 CPU cor
                                      2 safetensors shards + index). The project's embedded default model.
   tests/fixtures/reference_tiny.npz  transformers fp32 reference outputs (logits, greedy generations, MTP)
   tests/fixtures/reference_tiny.json index/metadata of the npz (prompts, lengths, margins, config)
+  tests/fixtures/reference_vision.*  `--vision`: the image processor (Pillow backend), vision tower and image chats
+                                     on the demo model as committed (docs/vision.md)
 
 Reference runs use the bf16 checkpoint RELOADED from disk as float32 (so inv_freq is computed in fp32 and the
 weights are exactly the bf16 values the JAX port will load).
@@ -50,7 +52,7 @@ torch.set_num_threads(1)  # tiny tensors: more threads only add contention
 # --------------------------------------------------------------------------------------------------------------
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_spec import (CHAT_TEMPLATE, EOS_ID, MTP_CONFIG, N_SPECIAL, PRETOKENIZE_REGEX, SPECIALS,  # noqa: E402
-                       TEXT_CONFIG, VOCAB, train_tokenizer)
+                       PREPROCESSOR_CONFIG, TEXT_CONFIG, VISION_CONFIG_IDS, VISION_TOKENS, VOCAB, train_tokenizer)
 
 MODEL_SEED = 1            # first seed (from 0) whose reference runs pass every margin check (`--search`)
 N_NEW_TOKENS = 40
@@ -104,8 +106,9 @@ def write_tokenizer_files(tok, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     tok.model.save(str(out))  # vocab.json + merges.txt (BPE part only, like the Qwen releases)
-    added = {str(EOS_ID + i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": True} for i, s in enumerate(SPECIALS)}
+    specials = {**{c: i for c, i in VISION_TOKENS.items()}, **{s: EOS_ID + i for i, s in enumerate(SPECIALS)}}
+    added = {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for s, i in sorted(specials.items(), key=lambda x: x[1])}
     tcfg = {
         "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
         "bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
@@ -610,8 +613,9 @@ def write_release_layout(causal_dir: Path, out: Path, tok, seed: int, cfg, mtp):
     tc["mtp"] = MTP_CONFIG
     top = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
            "text_config": dict(sorted(tc.items())), "vision_config": {"model_type": "qwen4_exp_vision", **VISION_CONFIG},
-           "tie_word_embeddings": False, "dtype": "bfloat16", "transformers_version": "5.24.0"}
+           **VISION_CONFIG_IDS, "tie_word_embeddings": False, "dtype": "bfloat16", "transformers_version": "5.24.0"}
     (out / "config.json").write_text(json.dumps(top, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
     write_tokenizer_files(tok, out)
     return mtp
 
@@ -728,6 +732,157 @@ def reference_runs_long(model, ids):
     ok = ok and tf_greedy == new and not stats["eos_argmax_steps"] and stats["own_block_dropped"] > 0
     return (dict(ids=np.array(ids, np.int32), generated=np.array(new, np.int32),
                  generated_logits=gen_logits.numpy().astype(np.float32)), stats, ok)
+# --------------------------------------------------------------------------------------------------------------
+# Vision references (issue 21, `--vision`): transformers' image processor (Pillow backend), vision tower and image
+# chats on the committed demo model
+# --------------------------------------------------------------------------------------------------------------
+VISION_NEW_TOKENS = 12
+VISION_MAX_PIXELS_OVERRIDE = 8192  # the "large" image is processed with this max_pixels (the downscale branch)
+
+
+def vision_images(seed: int = 0) -> dict:
+    """Deterministic test images (uint8 arrays; numpy default_rng): smooth gradients + noise, several sizes."""
+    rng = np.random.default_rng([21, seed])
+
+    def image(h, w, channels=3):
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float64)
+        planes = [255 * xx / max(w - 1, 1), 255 * yy / max(h - 1, 1), 128 + 0 * xx, 255 * (xx + yy) / max(h + w - 2, 1)]
+        noisy = np.stack(planes[:channels], -1) + rng.normal(0, 40, (h, w, channels))  # 4th plane: alpha
+        return np.clip(np.round(noisy), 0, 255).astype(np.uint8)
+
+    return {"square": image(64, 64), "wide": image(47, 123), "tiny": image(3, 5), "rgba": image(30, 40, 4),
+            "large": image(200, 300)}
+
+
+def vision_processor(path: Path):
+    """transformers' Qwen3VLProcessor with the Pillow Qwen2VLImageProcessor. The video processor needs torchvision
+    (not in this venv) and no video is processed, so the processor is built without one."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class ImageTextProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            if name == "video_processor" and arg is None:
+                return None
+            return super().check_argument_for_proper_class(name, arg)
+
+    ip = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    assert type(ip).__name__ == "Qwen2VLImageProcessorPil", type(ip)
+    return ImageTextProcessor(image_processor=ip, tokenizer=AutoTokenizer.from_pretrained(str(path)),
+                              video_processor=None)
+
+
+VISION_CHATS = {
+    "one_image": [{"role": "user", "content": [{"type": "image", "image": "wide"},
+                                               {"type": "text", "text": "What is in the picture?"}]}],
+    "two_images": [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                                {"type": "image", "image": "square"},
+                                                {"type": "text", "text": " and "},
+                                                {"type": "image", "image": "tiny"},
+                                                {"type": "text", "text": " please."}]}],
+}
+
+
+@torch.no_grad()
+def make_vision_references(out_stem: Path = FIX_DIR / "reference_vision", tries: int = 10):
+    import hashlib
+
+    from PIL import Image
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    proc = vision_processor(DEMO_DIR)
+    model = Qwen4ExpForConditionalGeneration.from_pretrained(str(DEMO_DIR), dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = EOS_ID
+    tok = proc.tokenizer
+    for seed in range(tries):
+        arrays, meta, ok = {}, {"images": {}, "chats": {}}, True
+        imgs = vision_images(seed)
+        pil = {k: Image.fromarray(v) for k, v in imgs.items()}
+        for name, arr in imgs.items():
+            arrays[f"image/{name}"] = arr
+            size = ({"shortest_edge": proc.image_processor.size.shortest_edge,
+                     "longest_edge": VISION_MAX_PIXELS_OVERRIDE} if name == "large" else None)
+            o = proc.image_processor(images=[pil[name]], return_tensors="np", **({"size": size} if size else {}))
+            arrays[f"image/{name}/pixel_values"] = o["pixel_values"].astype(np.float32)
+            arrays[f"image/{name}/grid_thw"] = o["image_grid_thw"].astype(np.int64)
+            meta["images"][name] = {"mode": pil[name].mode, "size_wh": list(pil[name].size),
+                                    "grid_thw": o["image_grid_thw"].tolist(), "max_pixels_override":
+                                    VISION_MAX_PIXELS_OVERRIDE if size else None}
+        # the tower over several images at once (attention must stay within each image)
+        batch = ["square", "wide", "tiny", "rgba"]
+        pv = torch.from_numpy(np.concatenate([arrays[f"image/{n}/pixel_values"] for n in batch]))
+        grid = torch.from_numpy(np.concatenate([arrays[f"image/{n}/grid_thw"] for n in batch]))
+        feats = model.model.get_image_features(pv, grid, return_dict=True).pooler_output
+        arrays["tower/images"] = np.array(batch)
+        for n, f in zip(batch, feats):
+            arrays[f"tower/{n}/embeddings"] = f.float().numpy()
+        for tag, msgs in VISION_CHATS.items():
+            order = [p["image"] for p in msgs[0]["content"] if p["type"] == "image"]
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            unexpanded = tok(text)["input_ids"]
+            inp = proc(text=[text], images=[pil[n] for n in order], return_tensors="pt")
+            ids = inp["input_ids"][0].tolist()
+            logits = model(**inp, use_cache=False).logits[0].float()
+            gen = model.generate(**inp, do_sample=False, max_new_tokens=VISION_NEW_TOKENS,
+                                 min_new_tokens=VISION_NEW_TOKENS, use_cache=True, eos_token_id=[EOS_ID],
+                                 pad_token_id=EOS_ID, top_k=None, top_p=None, temperature=None, output_logits=True,
+                                 return_dict_in_generate=True)
+            new = gen.sequences[0, len(ids):].tolist()
+            gen_logits = torch.stack([l[0] for l in gen.logits]).float()
+            full = torch.tensor([ids + new[:-1]])
+            mm = torch.cat([inp["mm_token_type_ids"], torch.zeros(1, len(new) - 1, dtype=torch.long)], 1)
+            cap = Capture(model)
+            flog = model(input_ids=full, pixel_values=inp["pixel_values"], image_grid_thw=inp["image_grid_thw"],
+                         mm_token_type_ids=mm, use_cache=False).logits[0].float()
+            cap.close()
+            stats = {}
+            chat_ok = check_margins(cap, flog, len(ids), stats, tag)
+            tf = flog[len(ids) - 1:].argmax(-1).tolist()
+            chat_ok = chat_ok and tf == new and not any(t in (EOS_ID, EOS_ID + 2) for t in tf)
+            positions, delta = model.model.get_rope_index(inp["input_ids"], inp["mm_token_type_ids"],
+                                                          image_grid_thw=inp["image_grid_thw"])
+            print(f"vision seed {seed} {tag}: ok={chat_ok} {json.dumps(stats[tag])}", flush=True)
+            ok = ok and chat_ok
+            arrays.update({f"chat/{tag}/unexpanded_ids": np.array(unexpanded, np.int32),
+                           f"chat/{tag}/ids": np.array(ids, np.int32),
+                           f"chat/{tag}/mm_token_type_ids": inp["mm_token_type_ids"][0].numpy().astype(np.int32),
+                           f"chat/{tag}/pixel_values": inp["pixel_values"].numpy().astype(np.float32),
+                           f"chat/{tag}/grid_thw": inp["image_grid_thw"].numpy().astype(np.int64),
+                           f"chat/{tag}/positions": positions[:, 0].numpy().astype(np.int32),
+                           f"chat/{tag}/rope_delta": np.array(int(delta[0, 0]), np.int32),
+                           f"chat/{tag}/logits": logits.numpy().astype(np.float32),
+                           f"chat/{tag}/generated": np.array(new, np.int32),
+                           f"chat/{tag}/generated_logits": gen_logits.numpy().astype(np.float32)})
+            meta["chats"][tag] = {"messages": msgs, "text": text, "images": order, "n_tokens": len(ids),
+                                  "margins": stats[tag]}
+        if ok:
+            break
+    else:
+        raise SystemExit("no image seed passed the margin checks")
+    np.savez_compressed(out_stem.with_suffix(".npz"), **arrays)
+    shas = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(DEMO_DIR.glob("*.safetensors"))}
+    info = {"generator": "tools/make_fixtures.py --vision", "checkpoint": str(DEMO_DIR.relative_to(ROOT)),
+            "checkpoint_sha256": shas, "transformers": __import__("transformers").__version__,
+            "torch": torch.__version__, "image_seed": seed, "max_new_tokens": VISION_NEW_TOKENS,
+            "margin_thresholds": {"moe_rel_gap": MARGIN_MOE_REL, "qsa_gap": MARGIN_QSA, "logit_gap": MARGIN_LOGIT},
+            "processor": "Qwen3VLProcessor + Qwen2VLImageProcessorPil (Pillow backend), built without a video "
+                         "processor (torchvision is not installed)", **meta,
+            "keys": {"image/<n>": "uint8 [H, W, C] the image (PIL.Image.fromarray)",
+                     "image/<n>/pixel_values": "float32 [patches, 3*T*P*P] the image processor's output",
+                     "image/<n>/grid_thw": "int64 [1, 3]",
+                     "tower/<n>/embeddings": "float32 [tokens, out_hidden] get_image_features of the images in "
+                                             "tower/images processed together",
+                     "chat/<c>/unexpanded_ids": "int32 the templated prompt tokenized before image expansion",
+                     "chat/<c>/ids": "int32 the processor's input_ids (pads expanded)",
+                     "chat/<c>/positions": "int32 [3, T] get_rope_index's MRoPE positions",
+                     "chat/<c>/rope_delta": "int32 the rope delta of the tokens after the prompt",
+                     "chat/<c>/logits": "float32 [T, V] one forward with pixel_values (fp32)",
+                     "chat/<c>/generated": f"int32 [{VISION_NEW_TOKENS}] greedy new tokens (generate, use_cache)",
+                     "chat/<c>/generated_logits": "float32 raw logits generate saw at each step"}}
+    out_stem.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n")
+    print("wrote", out_stem.with_suffix(".npz"), out_stem.with_suffix(".json"))
+
+
 def load_trained(src: Path):
     """The trained demo weights: tools/train_demo.py's output dir (weights.safetensors, fp32, canonical names) or a
     release-layout checkpoint (the committed demo model: regenerates every fixture without retraining).
@@ -769,6 +924,7 @@ def trained_model(sd: dict):
 
 
 def main():
+    global MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT
     ap = argparse.ArgumentParser()
     ap.add_argument("--trained", type=Path, default=DEMO_DIR,
                     help="trained weights: tools/train_demo.py's output dir or a release checkpoint (default: the "
@@ -784,10 +940,15 @@ def main():
     ap.add_argument("--max-tries", type=int, default=60)
     ap.add_argument("--long", action="store_true", help="only the long-prompt references (reference_long.*) from "
                     "the tiny_causal checkpoint on disk")
+    ap.add_argument("--vision", action="store_true", help="only the vision references (reference_vision.*) from "
+                    "the demo model on disk")
     args = ap.parse_args()
     if args.long:
         return make_long_references()
-    global MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT
+    if args.vision:
+        MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT = (m * (args.margin_scale or 0.5) for m in
+                                                    (MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT))
+        return make_vision_references()
     args.margin_scale = args.margin_scale or (1.0 if args.random else 0.5)
     MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT = (m * args.margin_scale for m in (MARGIN_MOE_REL, MARGIN_QSA,
                                                                                   MARGIN_LOGIT))
