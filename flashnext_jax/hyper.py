@@ -20,7 +20,13 @@ def hyper_read(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.
     mix = jax.nn.silu(linear(normed, p["input_mix_weight_down"]) / s)  # divide by S before the SiLU
     mix = jax.nn.sigmoid(linear(mix, p["input_mix_weight_up"]))
     mix = mix.reshape(*x.shape[:-1], s, h)
-    u = jnp.mean(mix * normed.reshape(*x.shape[:-1], s, h), axis=-2)
+    streams = (mix * normed.reshape(*x.shape[:-1], s, h)).astype(jnp.float32)
+    # the mean over the S streams as explicit adds in stream order: XLA's reduction of a size-S axis associates
+    # differently with the number of rows (batch invariance: a row's value must not depend on the batch)
+    total = streams[..., 0, :]
+    for i in range(1, s):
+        total = total + streams[..., i, :]
+    u = (total / s).astype(mix.dtype)
     if "block_inject_weight" not in p:
         return u, None
     gains = 2 * jax.nn.sigmoid(linear(normed, p["block_inject_weight"]) / s)

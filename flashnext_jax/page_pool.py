@@ -2,6 +2,7 @@
 `gpu_memory_utilization`.
 
 On a device that reports memory statistics (GPU, TPU): the pool takes `utilization` of the device's memory limit
+(jax's allocator limit: XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75, of the physical memory)
 minus what is in use already (the weights, the runtime), minus the slot and snapshot pools; activations of a step
 must fit in the rest (1 - utilization). On the CPU (no statistics) the pool is what max_num_seqs sequences of
 max_model_len tokens need, capped at CPU_POOL_FRACTION of the host's available memory and at CPU_POOL_CAP_BYTES:
@@ -77,7 +78,8 @@ def size_pool(spec: StoreSpec | tuple[StoreSpec, ...], page_size: int, num_slots
         others = sum(leaf_bytes(sp.slot) for sp in specs) * (num_slots * k1 + num_snapshots)
         budget = int(utilization * limit) - in_use - others
         pages = round_pages_down(max(budget // page_bytes, 0))
-        return PoolSize(pages, page_bytes, f"{utilization:.2f} of the device's {limit / 2**30:.1f} GiB, "
+        return PoolSize(pages, page_bytes, f"{utilization:.2f} of jax's {limit / 2**30:.1f} GiB device memory limit "
+                                           f"(XLA_PYTHON_CLIENT_MEM_FRACTION of the device, default 0.75), "
                                            f"{in_use / 2**30:.2f} GiB in use before")
     want = pages_per_seq * num_slots + 2 * pages_per_seq
     cap = min(int(CPU_POOL_FRACTION * host_available_bytes()), CPU_POOL_CAP_BYTES) // page_bytes
