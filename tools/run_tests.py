@@ -3,7 +3,7 @@
 Why not one process: with jaxlib 0.11.2 on CPU, one process running the whole suite segfaulted inside XLA after
 ~85% of it (stop 11: twice at the same test, with and without the persistent compilation cache; a native
 backtrace of the same crash on a branch: libgcc's unwinder reading freed memory while a C++ exception unwound,
-docs/STATUS.md "Things learned the hard way"). State that builds up in one long-lived process; every file passes
+docs/lessons-learned.md). State that builds up in one long-lived process; every file passes
 in its own. The files run one after another, so the compilation cache (tests/conftest.py) is shared but never
 written by two processes at once.
 
