@@ -28,7 +28,7 @@ def test_pool_from_device_memory():
     want = round_pages_down((int(0.9 * limit) - in_use - slot_bytes) // PAGE_BYTES)
     pool = page_pool.size_pool(SPEC, 16, 8, 64, 2, 262144, 0.9, (limit, in_use))
     assert pool.num_pages == want and want > 0.96 * (int(0.9 * limit) - in_use) // PAGE_BYTES
-    assert pool.page_bytes == PAGE_BYTES and "0.90 of the device" in pool.source
+    assert pool.page_bytes == PAGE_BYTES and "0.90 of jax's 1.0 GiB device memory limit" in pool.source
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         page_pool.size_pool(SPEC, 16, 8, 64, 2, 4096, 1.5, (limit, in_use))
 
