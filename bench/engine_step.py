@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -47,13 +48,14 @@ class RandomPleRunner(RealRunner):
 
     TABLE_ROWS = 4096
 
+    @functools.cached_property
+    def _random_table(self) -> np.ndarray:
+        rng = np.random.default_rng(0)
+        return (rng.standard_normal((self.TABLE_ROWS, self.cfg.ple_embed_dim)) * 0.02).astype(np.float32)
+
     def host_prepare(self, rows, T: int):
         if not self.n_ple:
             return {}
-        if getattr(self, "_random_table", None) is None:
-            rng = np.random.default_rng(0)
-            self._random_table = (rng.standard_normal((self.TABLE_ROWS, self.cfg.ple_embed_dim)) * 0.02).astype(
-                np.float32)
         out = np.zeros((len(rows), T, self.cfg.ple_embed_dim), np.float32)
         for b, row in enumerate(rows):
             if row is not None and len(row.tokens):

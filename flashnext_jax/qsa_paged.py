@@ -83,13 +83,13 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
         scores = qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks), n_complete, first)
         vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), top)  # running entries first: ties
         idx = jnp.take_along_axis(jnp.concatenate([idx, jnp.broadcast_to(blocks, (b, t, tile))], -1), pick, -1)
-        return (vals, idx), None
+        return vals, idx
 
     init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
     # only the tiles holding some query's complete blocks: the trip count follows the rows' context, not the
     # page-table width, so one padded width (the engine's default) costs nothing at short contexts
     n_tiles = jnp.minimum(-(-jnp.max(n_complete) // tile), -(-n_blocks // tile))
-    vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile)[0], init)
+    vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
     return idx, jnp.isfinite(vals)
 
 

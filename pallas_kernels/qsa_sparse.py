@@ -13,14 +13,13 @@ References with the same contracts: qsa_sparse_reference.py. `impl` (or FLASHNEX
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import qsa_sparse_reference as ref
-from pallas_kernels.quant_layout import ENV_VAR, resolve_impl
+from pallas_kernels.quant_layout import resolve_impl
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -147,8 +146,7 @@ def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, 
     decode query against the reference's 0.13 ms and 114 ms against 46 ms for an 8,192-token chunk
     (bench/results/qsa_kernels.json: one program per query walks 513 blocks of 4 keys, latency bound).
     'pallas' (argument or FLASHNEXT_KERNELS) still runs the kernel."""
-    choice = impl if impl is not None else os.environ.get(ENV_VAR, "auto")
-    mode = "reference" if choice == "auto" else resolve_impl(choice)
+    mode = resolve_impl(impl, gpu_auto="reference")
     if mode == "reference":
         return ref.sparse_attention(q, k_pool, v_pool, layer, blk_page, blk_off, blk_len, ratio=ratio,
                                     query_tile=query_tile)
