@@ -148,8 +148,9 @@ class Model:
             raise ValueError("this checkpoint has no vision tower (model.visual.* and vision_config)")
         return self.vision
 
-    def _image_fields(self, ids: np.ndarray, images: ImageInput, length: int, cache_len: int) -> tuple[dict, int]:
-        """Batch fields of an image prompt (pads replaced by the tower's rows, 3-D positions) and its rope_delta."""
+    def _image_fields(self, ids: np.ndarray, images: ImageInput, length: int, cache_len: int) -> dict:
+        """Batch fields of an image prompt: pads replaced by the tower's rows, 3-D positions (the rope_delta of the
+        tokens after the prompt is in the position table)."""
         tower = self._tower()
         mask = ids == tower.image_token_id
         rows = self.image_embeddings(images)
@@ -161,7 +162,7 @@ class Model:
         embeds = jnp.zeros((1, length, rows.shape[1]), self.dtype).at[0, np.nonzero(mask)[0]].set(
             rows.astype(self.dtype))
         mrope = MRope(jnp.asarray(position_table(positions, delta, cache_len)[None]), tower.mrope_section)
-        return dict(image_embeds=embeds, image_mask=jnp.asarray(padded_mask), mrope=mrope), delta
+        return dict(image_embeds=embeds, image_mask=jnp.asarray(padded_mask), mrope=mrope)
 
     # ---- public API -------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int], images: ImageInput | None = None) -> np.ndarray:
@@ -173,7 +174,7 @@ class Model:
         state = init_state(self.cfg, 1, length, self.dtype)
         batch = self._batch(ids, 0, length, None)
         if images is not None:
-            batch = batch.replace(**self._image_fields(ids, images, length, state.kv_k.shape[2])[0])
+            batch = batch.replace(**self._image_fields(ids, images, length, state.kv_k.shape[2]))
         logits, _, _ = _step(self.params, self.cfg, batch, state, False)
         return np.asarray(logits[0, :t], np.float32)
 
@@ -218,7 +219,7 @@ class Model:
         length = _bucket(len(ids))
         batch, mrope = self._batch(ids, 0, length, None), None
         if images is not None:
-            fields = self._image_fields(ids, images, length, state.kv_k.shape[2])[0]
+            fields = self._image_fields(ids, images, length, state.kv_k.shape[2])
             batch, mrope = batch.replace(**fields), fields["mrope"]
         logits, _, state = _step(self.params, self.cfg, batch, state, True)
         context = self.hasher.next_context(self.hasher.initial_context(), ids) if self.hasher else None

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .layers import apply_rope, rope_inv_freq
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -147,18 +149,15 @@ def rotary_cos_sin(cfg: VisionConfig, rc: jax.Array) -> tuple[jax.Array, jax.Arr
     """2-D RoPE cos/sin [N, head_dim] fp32: the same frequencies for rows (first quarter) and columns (second),
     the whole repeated (rotate_half layout)."""
     spatial = cfg.head_dim // 2
-    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)))
-    freqs = rc.astype(jnp.float32)[:, :, None] * jnp.asarray(inv, jnp.float32)  # [N, 2, spatial/2]
+    freqs = rc.astype(jnp.float32)[:, :, None] * rope_inv_freq(spatial, cfg.rope_theta)  # [N, 2, spatial/2]
     emb = jnp.concatenate([freqs[:, 0], freqs[:, 1]], -1)
     emb = jnp.concatenate([emb, emb], -1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def _rotate(x, cos, sin):
-    xf = x.astype(jnp.float32)
-    half = xf.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+    """RoPE over the whole head in fp32 (cos/sin [N, head_dim], broadcast over the heads of x [N, heads, hd])."""
+    return apply_rope(x.astype(jnp.float32), cos[:, None], sin[:, None]).astype(x.dtype)
 
 
 def attention(p: dict, cfg: VisionConfig, x, cos, sin, same_image):
