@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from bench.quant_matmul import copy_bandwidth, device_time
 from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
-from flashnext_jax.layer_stack import with_stacked_layers
+from flashnext_jax.layer_stack import build_stacked_on_host, to_host
 from flashnext_jax.model import Batch, forward, init_state
 from flashnext_jax.weights import _lists, _set, expected_tensors, fuse_projections, orient, param_path
 from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight
@@ -83,9 +83,24 @@ def random_quantized(key, shape_in_out, bits, group) -> QuantizedWeight:
 
 
 def build(cfg, key, stack: bool = True):
-    """Params tree of random weights in the INT4-Mixed scheme, built on the device (layers stacked unless
-    stack=False); and the bytes a step reads: (bytes read whatever the routing, bytes of one routed expert summed
-    over all layers)."""
+    """Params tree of random weights in the INT4-Mixed scheme, drawn on the device, layers stacked unless
+    stack=False (stacked as flashnext_jax.load does: each tensor goes to the host as it is drawn, each stack to
+    the device once, layer_stack.build_stacked_on_host); and the bytes a step reads: (bytes read whatever the
+    routing, bytes of one routed expert summed over all layers)."""
+    if not stack:
+        tree, always, per_expert = _draw(cfg, key, lambda x: x)
+        return fuse_projections(tree), always, per_expert
+    device, drawn = jax.devices()[0], []
+
+    def on_host():
+        with jax.default_device(device):  # drawn on the accelerator (fast), kept on the host
+            drawn.append(_draw(cfg, key, to_host))
+        return fuse_projections(drawn[0][0])
+    params = build_stacked_on_host(on_host, device)
+    return params, drawn[0][1], drawn[0][2]
+
+
+def _draw(cfg, key, place):
     tree: dict = {}
     always, per_expert = 0, 0
     for i, (name, shape) in enumerate(sorted(expected_tensors(cfg, with_mtp=False).items())):
@@ -103,11 +118,8 @@ def build(cfg, key, stack: bool = True):
             per_expert += nbytes // cfg.num_experts
         elif name != "embed_tokens.weight":  # the embedding is a row gather, not streamed
             always += nbytes
-        _set(tree, param_path(name), value)
-    params = fuse_projections(_lists(tree))
-    if stack:  # as flashnext_jax.load does
-        params = with_stacked_layers(params, free_sources=True)
-    return params, always, per_expert
+        _set(tree, param_path(name), jax.tree.map(place, value))
+    return _lists(tree), always, per_expert
 
 
 def fusion_bodies(hlo: str, names, max_chars=1500):

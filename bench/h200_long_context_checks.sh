@@ -4,6 +4,7 @@
 # 4K prompt's own token bucket ~110 s, prefills of 4K + 2x32K + 128K + 262K):
 #   bash bench/h200_long_context_checks.sh report    # call 1
 #   bash bench/h200_long_context_checks.sh probes    # call 2
+#   bash bench/h200_long_context_checks.sh memcheck  # the default pool sizing, one 8K step (~4 min)
 # (carry .carry: llguidance + tqdm for python 3.12, see below)
 # .carry/pylib holds copies of the CPU venv's llguidance (abi3 wheel contents, with its dist-info) and tqdm:
 #   mkdir -p .carry/pylib && cp -r .venv/lib/python3.*/site-packages/{llguidance,llguidance-*.dist-info,tqdm,tqdm-*.dist-info} .carry/pylib/
@@ -12,25 +13,35 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 P
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ "${1:-}" = report ]; then
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  # stop 26: BFC fragmented under on-device weight stacking (now stacked on the host); cuda_async worked but
+  # reports no memory limit (give REPORT_ARGS="--num-pages N" with it); vmm reports no statistics at all
+  echo "allocator ${XLA_PYTHON_CLIENT_ALLOCATOR:-default}"
   # the long-context report (results saved after every length); 0.7: until the run-time copy of a pool
   # leaf is found, leave room for it (with 0.9 the first prefill died and the fallback pool cost a recompile)
-  timeout 580 python3 bench/long_context.py --experts 512 --decode-steps 16 --gpu-memory-utilization 0.7 \
-      --out "$OUT/long_context.json" \
+  timeout "${REPORT_TIMEOUT:-580}" python3 bench/long_context.py --experts 512 --decode-steps 16 \
+      --gpu-memory-utilization 0.7 --out "$OUT/long_context.json" ${REPORT_ARGS:-} \
       > "$OUT/long_context.log" 2>&1
   grep -v "compiling engine steps:" "$OUT/long_context.log" | grep -i "pool\|compiled an\|prompt_tokens\|error" |
       cut -c1-300
   tail -n 6 "$OUT/long_context.log"
 elif [ "${1:-}" = probes ]; then
   # does the step update the store in place on the GPU (stop 25: a pool leaf was copied at run time)?
-  timeout 60 python3 tools/donation_probe.py > "$OUT/donation_pallas.log" 2>&1
-  FLASHNEXT_KERNELS=reference timeout 60 python3 tools/donation_probe.py > "$OUT/donation_reference.log" 2>&1
+  timeout 90 python3 tools/donation_probe.py --leaf-gib 8 > "$OUT/donation_pallas.log" 2>&1
+  FLASHNEXT_KERNELS=reference timeout 90 python3 tools/donation_probe.py --leaf-gib 8 \
+      > "$OUT/donation_reference.log" 2>&1
   # PP=2 == PP=1 on one GPU (the stop-25 mismatch was the benchmark's PLE stand-in), bf16 and fp32
   timeout 120 python3 bench/pp_gpus.py --same-device --layers 4 --out "$OUT/pp2_gpu_same_device.json" \
       > "$OUT/pp.log" 2>&1
   timeout 120 python3 bench/pp_gpus.py --same-device --layers 4 --dtype float32 \
       --out "$OUT/pp2_gpu_same_device_fp32.json" > "$OUT/pp_fp32.log" 2>&1
-  grep -h "H200\|distinct\|step [0-9]" "$OUT"/donation_*.log
+  grep -h "H200\|distinct\|largest\|step [0-9]\|Error" "$OUT"/donation_*.log
   grep -h "greedy_identical" "$OUT"/pp*.log
+elif [ "${1:-}" = memcheck ]; then
+  # the default pool sizing (0.9, BFC) with the weights stacked on the host: one 8K prefill step, no precompile
+  timeout "${REPORT_TIMEOUT:-400}" python3 bench/long_context.py --experts 512 --lengths 8192 --decode-steps 0 \
+      --twice-up-to 0 --no-precompile --out "$OUT/long_context_memcheck.json" > "$OUT/memcheck.log" 2>&1
+  grep -v "compiling engine steps:" "$OUT/memcheck.log" | cut -c1-400 | tail -n 12
 else
-  echo "usage: bash bench/h200_long_context_checks.sh report|probes" >&2; exit 2
+  echo "usage: bash bench/h200_long_context_checks.sh report|probes|memcheck" >&2; exit 2
 fi

@@ -76,6 +76,11 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--twice-up-to", type=int, default=32768,
                     help="lengths up to this run a first and a second request; longer ones one (no new shapes)")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="the KV page pool's size (default: the engine's sizing from --gpu-memory-utilization); "
+                         "needed under XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, which reports no memory limit")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="compile in the requests instead of at startup (a quick memory check of the default pool)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -95,13 +100,15 @@ def main():
     n0, t0 = len(_COMPILES), time.perf_counter()
     max_len = min(max(lengths) + decode + 64, cfg.max_position_embeddings)  # prompt + output <= the model's
     pool_sizing = f"gpu_memory_utilization {args.gpu_memory_utilization} (the engine's default sizing)"
+    if args.num_pages:
+        pool_sizing = f"num_pages {args.num_pages} (given)"
 
     def start(num_pages=None):
         return LLM(RandomPleRunner(model, 0), max_num_seqs=1, max_num_batched_tokens=chunk,
                    page_size=args.page_size, max_model_len=max_len, num_pages=num_pages,
-                   gpu_memory_utilization=args.gpu_memory_utilization, precompile=True)
+                   gpu_memory_utilization=args.gpu_memory_utilization, precompile=not args.no_precompile)
 
-    lm = start()
+    lm = start(args.num_pages)
     startup = dict(startup_s=time.perf_counter() - t0, startup_compiles=len(_COMPILES) - n0,
                    startup_compile_s=sum(_COMPILES[n0:]), num_pages=lm.engine.cfg.num_pages)
     print(startup, flush=True)

@@ -94,16 +94,23 @@ def main():
     args = ap.parse_args()
     if SMOKE:
         args.layers, args.prompt, args.tokens = min(args.layers, 8), 12, 6
+    if args.dtype == "float32":  # jax's default f32 matmul on a GPU rounds through TF32
+        jax.config.update("jax_default_matmul_precision", "highest")
     devs = jax.devices()
     print(f"{devs[0].device_kind} x{len(devs)} jax {jax.__version__}", flush=True)
     model = model_of(args.layers, args.experts, getattr(jnp, args.dtype))
     base = RandomPleRunner(model, 0)
     n = model.cfg.num_hidden_layers
-    outs1, tok1, _ = run(base, args.streams, args.prompt, args.tokens, 0, None)
+    # PP=1 runs the same schedule as PP=2 (one micro-batch of streams/2 rows per step, one step in flight): a GPU
+    # matmul's rounding depends on the row count, so a different batch composition alone changes greedy tokens
+    # (issue 19); held equal, only the stage split differs
+    rows_per_step = -(-args.streams // 2)
+    outs1, tok1, _ = run(base, args.streams, args.prompt, args.tokens, 1, rows_per_step)
     stage_devs = [devs[0], devs[0]] if args.same_device else devs[:2]
     pipe = PipelineRunner(base, StagePlan.build(n, 2, devices=stage_devs), profile=True)
-    outs2, tok2, launched = run(pipe, args.streams, args.prompt, args.tokens, 1, -(-args.streams // 2))
-    summary = dict(greedy_identical=outs1 == outs2, tok_s_pp1=tok1, tok_s_pp2=tok2,
+    outs2, tok2, launched = run(pipe, args.streams, args.prompt, args.tokens, 1, rows_per_step)
+    summary = dict(greedy_identical=outs1 == outs2, rows_per_step=rows_per_step, pipeline_delay=1,
+                   tok_s_pp1=tok1, tok_s_pp2=tok2,
                    tok_s_per_stream_pp1=tok1 / args.streams, tok_s_per_stream_pp2=tok2 / args.streams,
                    stage_idle_fraction=pipe.timeline.idle_fractions(),
                    stage_idle_fraction_schedule=schedule_idle_fractions(launched, 2),

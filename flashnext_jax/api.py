@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .config import ModelConfig, from_hf_config
-from .layer_stack import with_stacked_layers
+from .layer_stack import build_stacked_on_host, with_stacked_layers
 from .model import Batch, State, forward, init_state
 from .mrope import MRope, position_table, prompt_positions, section_of
 from .mtp import init_mtp_cache, mtp_forward
@@ -240,10 +240,14 @@ class Model:
             pos += 1
 
 
-def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
+def load(path: str | Path | None = None, *, dtype: str = "bfloat16", device: str | None = None) -> Model:
     """Load a checkpoint directory: HF bf16 (release or CausalLM layout), an HF quantized checkpoint
     (compressed-tensors, AutoRound, AWQ, block-FP8: converted in memory), or a directory written by
-    `flashnext-convert`. None -> the embedded demo model. Quantized weights stay quantized."""
+    `flashnext-convert`. None -> the embedded demo model. Quantized weights stay quantized. device: None puts the
+    params on jax's default device; "host" keeps them as numpy arrays, for a pipeline that places each stage's
+    share on the stage's own devices (pipeline.py) without the whole model passing through one device first."""
+    if device not in (None, "host"):
+        raise ValueError(f"device must be None or 'host', got {device!r}")
     from convert import ConvertError, read_checkpoint
 
     path = Path(path) if path is not None else DEMO_MODEL
@@ -265,10 +269,19 @@ def load(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
     has_mtp = check_tensors(cfg, {n: torch_shape(v) for n, v in tensors.items()})
     if cfg.ple_layers:
         _check_table(cfg, table, buffers)
-    params = with_stacked_layers(build_params(cfg, tensors, jdtype), free_sources=True)
-    log.info("loaded %s (%d tensors%s) in %.1fs", path, len(tensors), ", MTP" if has_mtp else "",
+    n_tensors = len(tensors)
+    params = build_stacked_on_host(lambda: build_params(cfg, _consume(tensors), jdtype, host=True), device)
+    log.info("loaded %s (%d tensors%s) in %.1fs", path, n_tensors, ", MTP" if has_mtp else "",
              time.perf_counter() - t0)
     return Model(cfg, params, table, jdtype, path, table_scale, _load_vision(path, jdtype))
+
+
+def _consume(tensors: dict):
+    """tensors' items, each dropped from the dict as it is handed out: the host holds the checkpoint's copy of a
+    tensor or the model's, not both (~2x the model's size otherwise)."""
+    while tensors:
+        name = next(iter(tensors))
+        yield name, tensors.pop(name)
 
 
 def _load_vision(path: Path, dtype) -> VisionTower | None:

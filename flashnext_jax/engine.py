@@ -21,7 +21,8 @@ from . import sampling
 from .compile_ahead import CompileAhead, abstract
 from .step_cache import StepCache
 from .page_pool import device_memory, size_pool
-from .device_sampling import LogitBias, SamplingInputs, device_sampled, prompt_logprobs, sample_tokens
+from .device_sampling import (LogitBias, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
+                              sample_tokens)
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
@@ -191,6 +192,28 @@ def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
     return hit[1], hit[2]
 
 
+def default_prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """A chunk, a quarter and a sixteenth of it (8192 -> 512, 2048, 8192): a rest is cut into at most a few
+    steps of these (a step reads every weight once: ~13 ms at the real size) and padded by less than 4x only
+    below the smallest, so three prefill shapes cover every prompt."""
+    c = max_num_batched_tokens
+    return tuple(sorted({max(c // 16, 1), max(c // 4, 1), c}))
+
+
+def _check_prefill_buckets(buckets: tuple[int, ...] | None, decode_tokens: int, max_num_batched_tokens: int):
+    if buckets is None:
+        return
+    if isinstance(buckets, str) or not buckets or list(buckets) != sorted(set(buckets)) or \
+            any(not isinstance(b, int) or b < 1 for b in buckets):
+        raise ValueError(f"prefill_buckets must be 'auto', None or ascending distinct positive token counts, "
+                         f"got {buckets!r}")
+    if buckets[-1] != max_num_batched_tokens:
+        raise ValueError(f"the largest prefill bucket ({buckets[-1]}) must be max_num_batched_tokens "
+                         f"({max_num_batched_tokens}): a chunk may use the whole budget")
+    if buckets[0] <= decode_tokens:
+        raise ValueError(f"prefill buckets must exceed the decode step's {decode_tokens} tokens, got {buckets}")
+
+
 def _describe_shape(shape: tuple) -> str:
     """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
     prompt logprobs, grammar masks) reads in the log."""
@@ -250,6 +273,12 @@ class EngineConfig:
     debug: bool = True  # shadow ownership ledger checks every write; stale writes raise
     min_batch_bucket: int = 1  # shape buckets: B and T are powers of two >= these (fewer compilations)
     min_token_bucket: int = 1
+    # the token counts a prefill chunk is cut to (ascending, the largest = max_num_batched_tokens): a chunk takes
+    # the largest that fits, a shorter rest is padded to the smallest, so every prompt's chunks run one of these
+    # few step shapes, all compiled at startup. "auto": `default_prefill_buckets` (what `LLM(precompile=True)`
+    # uses); None: any power of two (one compile per new bucket: cheap on the CPU, ~1-2 min per shape at the
+    # real size)
+    prefill_buckets: tuple[int, ...] | str | None = None
     min_pool_capacity: tuple = (1, 1, 1)  # device pools (slots, pages, snapshots) rounded up to >= these
     # compile the decode step for the next page-table width in the background while decoding at a width, so a
     # request whose context outgrows its width does not stall every request for a compile (compile_ahead.py)
@@ -281,6 +310,11 @@ class Engine:
         slots = cfg.num_slots or cfg.max_num_seqs
         mp = -(-mml // cfg.page_size)
         self.K1 = runner.k + 1
+        self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
+        if cfg.prefill_buckets == "auto":
+            cfg = dataclasses.replace(cfg, prefill_buckets=tuple(
+                b for b in default_prefill_buckets(cfg.max_num_batched_tokens) if b > self._decode_tokens) or None)
+        _check_prefill_buckets(cfg.prefill_buckets, self._decode_tokens, cfg.max_num_batched_tokens)
         pages = cfg.num_pages or self._size_pool(runner.store_spec(), cfg, slots, mml)
         self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.max_pages_per_row = _bucket(mp)
@@ -293,14 +327,12 @@ class Engine:
                                   min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
-                                               cfg.block_size, cfg.max_rows_per_step), self.ledger)
+                                               cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets),
+                               self.ledger)
         self._steps, self._ahead = jitted_step(runner)
         self._steps.set_limit(cfg.max_compiled_steps)
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
         self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
-        # steps of at most this many tokens per row are decode steps (1 token, or 1 + the MTP drafts): the ones
-        # that run at every width as a context grows, so the ones compiled ahead
-        self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
         self.requests: dict[str, Request] = {}
         self.step_id = 0
@@ -338,23 +370,30 @@ class Engine:
         return [(b, self._decode_tokens, w, None, False, 0, False, False, self._store_key)
                 for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
 
-    def startup_shapes(self) -> list[tuple]:
-        """What `precompile` compiles by default: the decode shapes, and with one page-table width also the greedy
-        step of a full prefill chunk (max_num_batched_tokens) at every row bucket, so a long prompt's chunks
-        compile nothing. A prompt's last, shorter chunk has its own token bucket and still compiles on first use."""
-        shapes = self.decode_shapes()
+    def startup_shapes(self, sampling_params: Sequence[sampling.SamplingParams] = ()) -> list[tuple]:
+        """What `precompile` compiles by default: the greedy decode shapes, and with one page-table width also the
+        greedy prefill steps at every row bucket: every prefill bucket, so that no prompt's chunk compiles (without
+        prefill_buckets only the full chunk, max_num_batched_tokens: a prompt's shorter last chunk then has a token
+        bucket of its own that compiles on first use). `sampling_params`: request parameters expected in traffic (a
+        server's generation defaults): the same shapes again for each device-sampling variant they use (which
+        top-k / top-p masks the step traces: device_sampling.mask_modes), at one shape each per variant."""
+        greedy = self.decode_shapes()
         if self.one_width:
-            t = _bucket(max(min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len), self._decode_tokens))
-            shapes += [(b, t, *rest) for b, _, *rest in shapes if t > self._decode_tokens]
-        return shapes
+            full = _bucket(max(min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len), self._decode_tokens))
+            prefill = self.cfg.prefill_buckets or (full,)
+            greedy += [(b, t, *rest) for t in prefill if t > self._decode_tokens for b, _, *rest in greedy]
+        variants = dict.fromkeys(mask_modes([max(p.top_k, 0)], [p.top_p]) for p in sampling_params
+                                 if device_sampled(p, self.cfg.num_speculative_tokens))
+        return greedy + [(b, t, w, masks, *rest) for masks in variants for b, t, w, _, *rest in greedy]
 
-    def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True) -> int:
-        """Compile the step for `shapes` (default: startup_shapes()) now, with a progress bar, so that requests of
-        those shapes compile nothing (with JAX's persistent compilation cache configured, a restart reads them
-        from disk). Returns how many were compiled."""
+    def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True,
+                   sampling_params: Sequence[sampling.SamplingParams] = ()) -> int:
+        """Compile the step for `shapes` (default: startup_shapes(sampling_params)) now, with a progress bar, so that
+        requests of those shapes compile nothing (with JAX's persistent compilation cache configured, a restart
+        reads them from disk). Returns how many were compiled."""
         from tqdm import tqdm
 
-        shapes = list(self.startup_shapes() if shapes is None else shapes)
+        shapes = list(self.startup_shapes(sampling_params) if shapes is None else shapes)
         if len(shapes) > self._steps.limit:
             log.warning("precompiling %d step shapes, more than max_compiled_steps %d: keeping all of them",
                         len(shapes), self._steps.limit)
@@ -519,8 +558,16 @@ class Engine:
             rows.append(RowTicket(req.request_id, req.slot, row, p.start, p.tokens, p.num_drafts, p.samples,
                                   max(len(p.tokens) - self.K1, 0), tuple(req.pages), p.capture))
         B = _bucket(max(len(rows), self.cfg.min_batch_bucket))
-        T = _bucket(max(max(r.n for r in rows), self.K1, self.cfg.min_token_bucket))
-        return StepTicket(self.step_id, tuple(rows), B, T)
+        return StepTicket(self.step_id, tuple(rows), B, self._token_bucket(max(r.n for r in rows)))
+
+    def _token_bucket(self, n: int) -> int:
+        """A step's token bucket T for its longest row of n tokens: the decode bucket (1 token, or 1 + the MTP
+        drafts: the steps that run at every width as a context grows, so the ones compiled ahead), else the smallest
+        prefill bucket holding n (a power of two without prefill_buckets)."""
+        if n <= self._decode_tokens:
+            return self._decode_tokens
+        buckets = self.cfg.prefill_buckets
+        return next(b for b in buckets if b >= n) if buckets else _bucket(n)
 
     def _build_batch(self, t: StepTicket) -> PackedBatch:
         B, T = t.batch_size, t.num_tokens

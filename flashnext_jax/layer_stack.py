@@ -16,7 +16,7 @@ The model code iterates `params["layers"]` the same way whether it is a list or 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +106,8 @@ class LayerStack:
 
 def stack_layers(layers: list, *, free_sources: bool = False) -> LayerStack:
     """List of per-layer param trees -> LayerStack. free_sources: delete each per-layer device array once it is
-    stacked (only for arrays nobody else holds, e.g. right after loading)."""
+    stacked, and release host (numpy) ones, emptying `layers` (only for arrays nobody else holds, e.g. right after
+    loading)."""
     if isinstance(layers, LayerStack):
         return layers
     signatures: dict[tuple, int] = {}
@@ -118,12 +119,21 @@ def stack_layers(layers: list, *, free_sources: bool = False) -> LayerStack:
             members.append([])
         where.append((g, len(members[g])))
         members[g].append(i)
+    layer = None  # the loop's last layer would otherwise stay referenced until the end (free_sources)
     groups = []
     for idx in members:
-        trees = [layers[i] for i in idx]
-        flat = [jax.tree.flatten(t, is_leaf=_is_quantized) for t in trees]
+        flat = [jax.tree.flatten(layers[i], is_leaf=_is_quantized) for i in idx]
         leaves, treedef = [lv for lv, _ in flat], flat[0][1]
-        stacked = [_stack([lv[n] for lv in leaves], free_sources) for n in range(len(leaves[0]))]
+        del flat
+        if free_sources:  # host sources go with their last reference: drop the layer trees' own
+            for i in idx:
+                layers[i] = None
+        stacked = []
+        for n in range(len(leaves[0])):
+            stacked.append(_stack([lv[n] for lv in leaves], free_sources))
+            if free_sources:  # peak: the model plus one stacked leaf, not twice the model
+                for lv in leaves:
+                    lv[n] = None
         groups.append(jax.tree.unflatten(treedef, stacked))
     return LayerStack(tuple(groups), tuple(where))
 
@@ -131,3 +141,28 @@ def stack_layers(layers: list, *, free_sources: bool = False) -> LayerStack:
 def with_stacked_layers(params: dict, *, free_sources: bool = False) -> dict:
     """params with params["layers"] as a LayerStack (unchanged when it already is one)."""
     return {**params, "layers": stack_layers(params["layers"], free_sources=free_sources)}
+
+
+def build_stacked_on_host(build: Callable[[], dict], device=None) -> dict:
+    """`with_stacked_layers(build())`, with the per-layer arrays built and stacked on the host and each stacked
+    leaf moved to `device` (default: jax's default device; "host": left as numpy arrays) once.
+
+    Why: stacked on an accelerator, every stacked leaf is allocated while the per-layer sources still fill the
+    device, and freeing the sources leaves holes between the other layers' arrays that no later stack fits in. On
+    the H200 that fragmented jax's BFC allocator until a 9.38 GiB stack failed with ~60 GiB free
+    (docs/long-context.md); built on the host, the device only ever receives the final arrays. `build` should
+    return numpy leaves, which numpy concatenates and stacks (a first version that kept jax CPU arrays took 198 s
+    for the real-size random weights on the H200, against 41 s stacking on the device); it may draw arrays
+    elsewhere (random weights on the GPU) if it moves each to the host right away (`to_host`)."""
+    with jax.default_device(jax.devices("cpu")[0]):  # a stray jnp op in `build` stays on the host too
+        params = with_stacked_layers(build(), free_sources=True)
+    if device == "host":
+        return params
+    params = jax.device_put(params, device or jax.devices()[0])
+    jax.block_until_ready(params)
+    return params
+
+
+def to_host(x):
+    """A freshly built device array as numpy (see build_stacked_on_host); its device copy is freed with it."""
+    return np.asarray(x)

@@ -43,7 +43,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Tokenizer | None]:
+def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None
+          ) -> tuple[ModelRunner, Tokenizer | None]:
     from .toy_model import ToyConfig, ToyRunner
 
     if isinstance(model, ToyConfig) or model == "toy":
@@ -68,7 +69,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer) -> tuple[ModelRunner, Token
     if (path / "toy_config.json").is_file():  # a toy checkpoint directory (tests, server smoke tests)
         cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
         return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
-    loaded = api.load(path, dtype=dtype)
+    loaded = api.load(path, dtype=dtype, device=device)
     runner = RealRunner(loaded, k) if isinstance(loaded, api.Model) else loaded
     if not (hasattr(runner, "store_spec") and hasattr(runner, "step") and hasattr(runner, "host_prepare")):
         raise NotImplementedError(f"{type(loaded).__name__} does not implement the engine's ModelRunner protocol "
@@ -82,13 +83,16 @@ class LLM:
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
                  tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int | None = None,
                  gpu_memory_utilization: float = 0.9, precompile: bool = False,
+                 precompile_sampling: Sequence[SamplingParams] = (),
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  **engine_kwargs):
         """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
-        (gpu_memory_utilization; page_pool.py). precompile: compile the decode step shapes now, with a progress
-        bar (Engine.precompile). pipeline_parallel_size / pp_layer_partition: pipeline stages, each on its own
-        device (docs/pipeline.md). engine_kwargs: further EngineConfig fields."""
+        (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
+        a progress bar (Engine.precompile), prefill chunks cut to a few buckets (EngineConfig.prefill_buckets,
+        "auto" unless given) so that no request compiles a step; precompile_sampling: sampling parameters
+        expected in traffic, whose device-sampling variants are compiled too. pipeline_parallel_size / pp_layer_partition:
+        pipeline stages, each on its own device (docs/pipeline.md). engine_kwargs: further EngineConfig fields."""
         k = 0
         if speculative_config:
             method = speculative_config.get("method", "mtp")
@@ -97,14 +101,18 @@ class LLM:
             k = int(speculative_config.get("num_speculative_tokens", 1))
             if k < 1:
                 raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
-        self.runner, self.tokenizer = _load(model, dtype, k, tokenizer)
-        if pipeline_parallel_size != 1 or pp_layer_partition is not None:  # stages (pipeline.py, docs/pipeline.md)
+        pipelined = pipeline_parallel_size != 1 or pp_layer_partition is not None
+        # a pipeline's weights stay on the host until each stage's share goes to the stage's own devices
+        self.runner, self.tokenizer = _load(model, dtype, k, tokenizer, "host" if pipelined else None)
+        if pipelined:  # stages (pipeline.py, docs/pipeline.md)
             from .pipeline import make_pipeline
 
             self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition)
             # up to one micro-batch per stage in flight: commits trail launches by stages - 1 steps
             pipeline_delay = self.runner.num_stages - 1 if pipeline_delay is None else pipeline_delay
             engine_kwargs.setdefault("max_rows_per_step", -(-max_num_seqs // self.runner.num_stages))
+        if precompile:  # every prompt's chunks on a few precompiled shapes (EngineConfig.prefill_buckets)
+            engine_kwargs.setdefault("prefill_buckets", "auto")
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, num_speculative_tokens=k,
                            enable_prefix_caching=enable_prefix_caching, block_size=block_size,
@@ -114,7 +122,7 @@ class LLM:
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         if precompile:
-            self.engine.precompile()
+            self.engine.precompile(sampling_params=precompile_sampling)
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}

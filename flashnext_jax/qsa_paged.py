@@ -74,23 +74,45 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
     tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, kv.score_elements)
     n_complete = (positions + 1) // ratio
 
-    def merge(carry, first):
-        vals, idx = carry
+    def tile_scores(first):  # [B, T, tile] scores of blocks first .. first + tile - 1
         blocks = first + jnp.arange(tile)
         page, row = _page_rows(kv, jnp.broadcast_to((blocks[:, None] * ratio + jnp.arange(ratio)).reshape(-1),
                                                     (b, tile * ratio)))
         raw = kv.index[page, row, kv.layer].reshape(b, tile, ratio, -1)
-        scores = qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks), n_complete, first)
+        return qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks), n_complete, first), blocks
+
+    def merge(carry, first):
+        vals, idx = carry
+        scores, blocks = tile_scores(first)
         vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), top)  # running entries first: ties
         idx = jnp.take_along_axis(jnp.concatenate([idx, jnp.broadcast_to(blocks, (b, t, tile))], -1), pick, -1)
         return vals, idx
 
-    init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
     # only the tiles holding some query's complete blocks: the trip count follows the rows' context, not the
-    # page-table width, so one padded width (the engine's default) costs nothing at short contexts
+    # page-table width, so one padded width (the engine's default) costs little at short contexts
     n_tiles = jnp.minimum(-(-jnp.max(n_complete) // tile), -(-n_blocks // tile))
+    padded = -(-n_blocks // tile) * tile
+    if b * t * padded <= kv.score_elements:
+        # a decode step: the scores of the whole width fit the budget, so fill them tile by tile and take ONE
+        # top-k (the same set: lax.top_k prefers the lower index among equal values). On the H200 a chain of 16
+        # merges cost 1.15 ms per layer at 262K, one top_k over all 65,536 blocks 0.19 (bench/results/topk_probe.json)
+        def fill(i, scores):
+            return jax.lax.dynamic_update_slice_in_dim(scores, tile_scores(i * tile)[0], i * tile, axis=2)
+        scores = jax.lax.fori_loop(0, n_tiles, fill, jnp.full((b, t, padded), -jnp.inf, jnp.float32))
+        vals, idx = jax.lax.top_k(scores, top) if padded >= top else _top_padded(scores, top, n_blocks)
+        return idx, jnp.isfinite(vals)
+    init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
     vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
     return idx, jnp.isfinite(vals)
+
+
+def _top_padded(scores, top: int, n_blocks: int):
+    """top_k of fewer entries than k: every entry, then -inf entries naming block n_blocks (never chosen)."""
+    b, t, n = scores.shape
+    vals, idx = jax.lax.top_k(scores, n)
+    fill = top - n
+    return (jnp.concatenate([vals, jnp.full((b, t, fill), -jnp.inf, vals.dtype)], -1),
+            jnp.concatenate([idx, jnp.full((b, t, fill), n_blocks, idx.dtype)], -1))
 
 
 def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *, query_tile: int = 128):

@@ -73,6 +73,8 @@ class SchedulerConfig:
     block_size: int = 16  # prefix-snapshot granularity (independent of the KV page size)
     # rows per step (a micro-batch) when a pipeline keeps several steps in flight; None = max_num_seqs
     max_rows_per_step: int | None = None
+    # prefill chunks take the largest of these token counts that fits (EngineConfig.prefill_buckets)
+    prefill_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -158,6 +160,9 @@ class Scheduler:
         if req.drafts:  # drafts kept across a preemption: the last token is verified with them (decode path)
             known -= 1
         n = min(known - start, budget)
+        fits = [b for b in self.cfg.prefill_buckets or () if b <= n]
+        if fits:  # a bucket-sized chunk; a rest below the smallest bucket runs as it is, padded to that bucket
+            n = fits[-1]
         cap = None
         if self.cfg.enable_prefix_caching:
             bs = self.cfg.block_size

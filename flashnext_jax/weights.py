@@ -8,7 +8,7 @@ names with the `model.language_model.` / `model.` prefix removed, experts stacke
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -136,10 +136,13 @@ def orient(name: str, value):
     return value
 
 
-def to_param(name: str, value: Any, dtype) -> Any:
-    """A checkpoint tensor -> param leaf. Quantized leaves (already [K, N]) pass through unchanged."""
+def to_param(name: str, value: Any, dtype, host: bool = False) -> Any:
+    """A checkpoint tensor -> param leaf (a numpy array with host=True, else a jax array). Quantized leaves
+    (already [K, N]) pass through unchanged."""
     if not isinstance(value, np.ndarray):
         return value
+    if host:
+        return np.asarray(orient(name, value)).astype(np.dtype(dtype), copy=False)
     return jnp.asarray(orient(name, value), dtype=dtype)
 
 
@@ -162,12 +165,14 @@ def param_path(name: str) -> list[str]:
     return (name[: -len(".weight")] if name.endswith(".weight") else name).split(".")
 
 
-def build_params(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, *, fuse: bool = True) -> dict:
-    """Canonical tensors (complete, checked) -> nested params dict (same-input projections fused, see
-    `fuse_projections`, unless fuse=False)."""
+def build_params(cfg: ModelConfig, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], dtype, *,
+                 fuse: bool = True, host: bool = False) -> dict:
+    """Canonical tensors (complete, checked; a mapping or (name, tensor) pairs) -> nested params dict (same-input
+    projections fused, see `fuse_projections`, unless fuse=False). host: numpy leaves, nothing on a device yet
+    (layer_stack.build_stacked_on_host)."""
     tree: dict = {}
-    for name, value in tensors.items():
-        _set(tree, param_path(name), to_param(name, value, dtype))
+    for name, value in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        _set(tree, param_path(name), to_param(name, value, dtype, host))
     params = _lists(tree)
     return fuse_projections(params) if fuse else params
 
@@ -180,17 +185,24 @@ FUSED_PROJECTIONS = (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"), (
                      ("gate_proj", "up_proj"), ("key_proj", "value_proj"), ("gate", "shared_expert_gate"))
 
 
+def _concat(arrays: list, axis: int):
+    """numpy for host arrays (a loader building on the host keeps them there), jnp for device arrays."""
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.concatenate(arrays, axis=axis)
+    return jnp.concatenate(arrays, axis=axis)
+
+
 def _merge(parts: list) -> FusedLinear | None:
     from pallas_kernels.quant_layout import QuantizedWeight
 
-    if all(isinstance(w, jax.Array) and w.ndim == 2 for w in parts):
+    if all(isinstance(w, (jax.Array, np.ndarray)) and w.ndim == 2 for w in parts):
         if len({(w.dtype, w.shape[1]) for w in parts}) == 1:  # plain [out, in]: stack the rows
-            return FusedLinear(jnp.concatenate(parts, axis=0), tuple(int(w.shape[0]) for w in parts))
+            return FusedLinear(_concat(parts, 0), tuple(int(w.shape[0]) for w in parts))
     elif all(isinstance(w, QuantizedWeight) and w.ndim == 2 for w in parts):
         if len({(w.bits, w.group_size, w.k, w.scales.dtype, tuple(p.dtype for p in w.planes)) for w in parts}) == 1:
             first = parts[0]  # quantized [K, N]: append the columns of every plane and of the scales
-            planes = tuple(jnp.concatenate([w.planes[i] for w in parts], axis=-1) for i in range(len(first.planes)))
-            merged = QuantizedWeight(planes=planes, scales=jnp.concatenate([w.scales for w in parts], axis=-1),
+            planes = tuple(_concat([w.planes[i] for w in parts], -1) for i in range(len(first.planes)))
+            merged = QuantizedWeight(planes=planes, scales=_concat([w.scales for w in parts], -1),
                                      bits=first.bits, group_size=first.group_size, k=first.k,
                                      n=sum(w.n for w in parts))
             return FusedLinear(merged, tuple(w.n for w in parts))

@@ -58,8 +58,12 @@ def add_serve_parser(sub, parents=()) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="shorthand for --speculative-config with method mtp (0 = off)")
     p.add_argument("--precompile", action="store_true",
-                   help="compile the decode step shapes at startup (progress bar), so no decode step compiles "
-                        "while serving")
+                   help="compile the decode and prefill step shapes at startup (progress bar), so no step compiles "
+                        "while serving; prefill chunks are cut to --prefill-buckets")
+    p.add_argument("--prefill-buckets", type=_buckets, default=None,
+                   help="token counts prefill chunks are cut to, ascending, the last = --max-num-batched-tokens "
+                        "(e.g. 512,2048,8192), or 'auto' (a 16th, a 4th and all of the chunk; the default with "
+                        "--precompile); without either, chunks take any power of two")
     p.add_argument("--chat-template", help="chat template: a Jinja file, or the template itself (default: the "
                                            "model's chat_template.jinja / tokenizer_config.json)")
     p.add_argument("--generation-config", default="auto",
@@ -87,6 +91,15 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _buckets(text: str) -> str | tuple[int, ...]:
+    if text == "auto":
+        return text
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or comma-separated token counts, got {text!r}") from None
+
+
 def configure_compilation_cache(option: str | None) -> str | None:
     """Turns on JAX's persistent compilation cache (see --compilation-cache); returns the directory or None."""
     import jax
@@ -112,6 +125,15 @@ def generation_defaults(option: str, model_dir: Path) -> dict:
         raise FileNotFoundError(f"--generation-config {option}: no generation_config.json there")
     cfg = json.loads(f.read_text())
     return {ours: cfg[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if cfg.get(theirs) is not None}
+
+
+def default_sampling(defaults: dict):
+    """The sampling a request gets from the generation defaults alone: its device-sampling variant is compiled at
+    startup next to the greedy steps (--precompile), since most requests of such a server sample with it."""
+    from flashnext_jax.sampling import SamplingParams
+
+    return SamplingParams(**{k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p",
+                                                                        "repetition_penalty")})
 
 
 def speculative_config(args) -> dict | None:
@@ -160,7 +182,8 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
               block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype,
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
-              **pipeline_kwargs(args))
+              precompile_sampling=[default_sampling(defaults)], **pipeline_kwargs(args),
+              **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:
         if llm.tokenizer is None:
             raise ValueError("--chat-template: this model has no tokenizer")

@@ -22,6 +22,8 @@ PARTITIONS = {1: None, 2: (5, 3), 3: None}  # PP=3 default: 3/3/2 (stage 0 has n
 
 
 def run(model, pp):
+    if pp > 1:  # as LLM(path, pipeline_parallel_size=pp) loads: on the host, each stage's share to its device
+        model = fj.load(dtype="float32", device="host")
     lm = fj.LLM(RealRunner(model, 1), speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                 max_num_seqs=2, max_num_batched_tokens=6, max_model_len=MAX_LEN, page_size=4, block_size=4,
                 enable_prefix_caching=True, permute_rows=11, min_batch_bucket=2, min_token_bucket=4,

@@ -128,6 +128,45 @@ def test_free_sources_deletes_only_the_per_layer_arrays():
     np.testing.assert_array_equal(np.asarray(stack[2]["w"]), np.full((4,), 2.0))
 
 
+def test_free_sources_releases_host_arrays_as_it_stacks():
+    """Host (numpy) sources cannot be deleted; stacking drops every reference it holds to them as it goes, so that
+    the loader's peak host memory is the model plus one stacked leaf (the caller's list is emptied)."""
+    import gc
+    import weakref
+
+    class Tracked(np.ndarray):  # numpy arrays take no weak references; a subclass does
+        pass
+    layers = [{"a": np.full((4,), float(i)).view(Tracked), "b": np.full((2,), float(i)).view(Tracked)}
+              for i in range(3)]
+    refs = [weakref.ref(lp["a"]) for lp in layers]
+    seen = []
+    real_stack = np.stack
+
+    def spy(xs, *args, **kw):  # when leaf "b" is stacked, leaf "a"'s sources must be gone already
+        gc.collect()
+        seen.append([r() is None for r in refs])
+        return real_stack(xs, *args, **kw)
+    np.stack = spy
+    try:
+        stack = stack_layers(layers, free_sources=True)
+    finally:
+        np.stack = real_stack
+    assert layers == [None, None, None] and seen[1] == [True, True, True]
+    np.testing.assert_array_equal(np.asarray(stack[2]["b"]), np.full((2,), 2.0))
+
+
+def test_load_builds_on_the_host():
+    """load() builds and stacks on the host: by default the stacks end on jax's device, with "host" they stay
+    numpy arrays (for a pipeline to place per stage), and the two give the same weights."""
+    on_device = api.load(dtype="float32")
+    on_host = api.load(dtype="float32", device="host")
+    dev, host = jax.tree.leaves(on_device.params), jax.tree.leaves(on_host.params)
+    assert all(isinstance(x, jax.Array) for x in dev) and all(isinstance(x, np.ndarray) for x in host)
+    assert len(dev) == len(host) and all(np.array_equal(np.asarray(a), b) for a, b in zip(dev, host))
+    with pytest.raises(ValueError, match="host"):
+        api.load(dtype="float32", device="gpu")
+
+
 @pytest.mark.parametrize("mode", ["reference", "interpret"])
 def test_forward_with_stacked_params_equals_per_layer_params(monkeypatch, mode):
     """The tiny quantized model (int4 / int6 / int8 weights, MoE) in bf16: stacked == per-layer, bit for bit."""

@@ -123,9 +123,11 @@ def test_two_thousand_tokens_page_64():
     assert rel(got[0], dense(u)[0]) <= 1e-5
 
 
-def test_ties_go_to_the_lowest_block_as_in_the_oracle():
+@pytest.mark.parametrize("score_elements", [53 * 8, 1 << 24])
+def test_ties_go_to_the_lowest_block_as_in_the_oracle(score_elements):
     """One index head: every block whose score is negative relus to exactly 0, so the top-k boundary is full of
-    exact ties; the tiled running top-k must resolve them like the oracle's single top_k."""
+    exact ties; the tiled running top-k (a small score budget: prefill chunks merge tile by tile) and the one
+    top-k over the whole width (a large one: every step) must resolve them like the oracle's single top_k."""
     from flashnext_jax.qsa import block_keys, block_scores, project
 
     cfg = tiny_config(indexer_budget=96, indexer_n_heads=1)  # 24 of up to 40 blocks: about half score 0
@@ -139,5 +141,5 @@ def test_ties_go_to_the_lowest_block_as_in_the_oracle():
     k = cfg.block_topk
     tied = [p for p in range(4 * k + 3, t) if (np.sort(scores[p, : (p + 1) // 4])[::-1][k - 1 : k + 1] == 0).all()]
     assert len(tied) > 20, len(tied)  # queries whose last chosen block ties with an unchosen one
-    got = run_paged(u, [t], [53, 1, 9], 16, score_elements=53 * 8, cfg=cfg, params=params)
+    got = run_paged(u, [t], [53, 1, 9], 16, score_elements=score_elements, cfg=cfg, params=params)
     assert rel(got[0], dense(u, cfg, params)[0]) <= 1e-5

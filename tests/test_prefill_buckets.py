@@ -1,0 +1,92 @@
+"""What `precompile` covers (issue 14 item 4, issue 18 item 1). Prefill buckets: chunks are cut to a few token
+counts that `precompile` compiles, so a prompt of any length compiles nothing in its request (without them, a
+prompt's shorter last chunk has a power-of-two bucket of its own: the H200 run's 4K prompt compiled for 91 s), and
+the tokens stay the model's own. Sampling: the device-sampling variant of the parameters a server expects (its
+generation defaults) is compiled too."""
+
+import pytest
+
+import flashnext_jax as fj
+from flashnext_jax.engine import Engine, EngineConfig, default_prefill_buckets
+from flashnext_jax.runner import RealRunner
+from flashnext_jax.sampling import SamplingParams
+from serving.cli import _buckets, default_sampling
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fj.load(dtype="float32")
+
+
+def _engine(model, **kw):
+    cfg = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128, page_size=4, compile_ahead=False)
+    return Engine(RealRunner(model, 0, max_model_len=128), EngineConfig(**(cfg | kw)))
+
+
+def test_precompiled_buckets_cover_every_prompt_length(model):
+    eng = _engine(model, prefill_buckets=(4, 16))
+    assert {s[1] for s in eng.startup_shapes()} == {1, 4, 16}
+    eng.precompile(progress=False)
+    compiled = eng._steps.counters["compiled"]
+    steps = []  # (T, each row's token count) of every launched step
+    make_ticket = eng._make_ticket
+    eng._make_ticket = lambda plans: steps.append(t := make_ticket(plans)) or t
+    prompts = {"a": [(5 * i + 3) % 200 + 1 for i in range(23)], "b": [(7 * i + 1) % 200 + 1 for i in range(6)]}
+    for rid, prompt in prompts.items():
+        eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for req in eng.step():
+            if req.finished:
+                outs[req.request_id] = list(req.output)
+    assert eng._steps.counters["compiled"] == compiled  # prompts of 23 and 6 tokens, two rows: nothing compiled
+    for rid, prompt in prompts.items():
+        assert outs[rid] == model.generate(prompt, 9)
+    rows = [(t.num_tokens, sorted(r.n for r in t.rows)) for t in steps]
+    assert rows[0] == (16, [16])  # 'a' takes the whole budget in one bucket-sized chunk
+    assert all(t in (1, 4, 16) for t, _ in rows)
+    # every prefill chunk is a bucket, but for a rest shorter than the smallest (23 = 16 + 4 + 3; 6 = 4 + 2)
+    chunks = [n for _, ns in rows for n in ns if n > 1]
+    assert sorted(chunks) == [2, 3, 4, 4, 16]
+
+
+def test_without_buckets_a_short_last_chunk_compiles(model):
+    """The regression the buckets remove, shown on the same engine without them."""
+    eng = _engine(model, max_num_seqs=1)
+    eng.precompile(progress=False)
+    compiled = eng._steps.counters["compiled"]
+    eng.add_request("a", list(range(1, 24)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng._steps.counters["compiled"] > compiled  # the 7-token rest: bucket 8, not precompiled
+
+
+def test_bucket_config(model):
+    assert default_prefill_buckets(8192) == (512, 2048, 8192)
+    assert _engine(model, prefill_buckets="auto").cfg.prefill_buckets == (4, 16)  # 16 // 16 = 1 is the decode step
+    for bad, why in [((16, 4), "ascending"), ((4, 8), "largest"), ((1, 16), "exceed"), ("wide", "ascending"),
+                     ((4.0, 16), "ascending")]:
+        with pytest.raises(ValueError, match=why):
+            _engine(model, prefill_buckets=bad)
+    assert _buckets("auto") == "auto" and _buckets("512,2048,8192") == (512, 2048, 8192)
+    with pytest.raises(Exception, match="comma-separated"):
+        _buckets("512;2048")
+
+
+def test_precompiled_sampling_variant(model):
+    eng = _engine(model, max_num_seqs=1, prefill_buckets=(4, 16))
+    expected = default_sampling({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 99})
+    assert (expected.temperature, expected.top_p, expected.top_k) == (0.7, 0.8, 20)
+    assert len(eng.startup_shapes([expected])) == 2 * len(eng.startup_shapes())
+    eng.precompile(progress=False, sampling_params=[expected])
+    compiled = eng._steps.counters["compiled"]
+
+    def run(params):
+        eng.add_request(str(eng.step_id), [(3 * i + 2) % 200 + 1 for i in range(21)], params)
+        while eng.has_unfinished():
+            eng.step()
+    run(SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=5, ignore_eos=True, seed=1))
+    run(SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert eng._steps.counters["compiled"] == compiled
+    run(SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True, seed=1))  # no top-k / top-p: a variant
+    assert eng._steps.counters["compiled"] > compiled  # of its own (device_sampling.mask_modes)
