@@ -82,6 +82,13 @@ def one_stream(base: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": ttft, "itl": gaps, "e2e": time.perf_counter() - t0, "tokens": tokens}
 
 
+def step_compilations(base: str) -> int:
+    """The server's flashnext:step_compilations gauge (/metrics)."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return int(float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("flashnext:step_compilations"))))
+
+
 def round_at(base: str, concurrency: int, requests: int, args, rng: random.Random) -> dict:
     prompts = [[rng.randrange(1, 500) for _ in range(args.prompt_tokens)] for _ in range(requests)]
     t0 = time.perf_counter()
@@ -131,7 +138,10 @@ def main(argv=None) -> int:
             for c in args.concurrency:  # warm-up: compile every shape these rounds use
                 round_at(base, c, c, args, rng)
             for c in args.concurrency:
+                before = step_compilations(base)
                 row = {"mtp_tokens": k} | round_at(base, c, c * args.requests_per_stream, args, rng)
+                # a step shape the warm-up missed compiles inside the round: its latencies then include it
+                row["step_compilations_in_round"] = step_compilations(base) - before
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 path = _save(rows, args, complete=False)  # what is measured so far survives an interrupted run

@@ -6,7 +6,8 @@ Same selection as `qsa.selection_mask` (the oracle), computed without any per-ro
 2. the indexer scores the row's complete blocks tile by tile (block keys recomputed from the raw keys in the
    pages, as transformers does) and merges each tile into a running top-k. The running entries come first in
    each merge and `lax.top_k` prefers the lower position among equal values, so ties go to the lowest block
-   index, exactly as one top-k over all blocks;
+   index, exactly as one top-k over all blocks; where the whole width's scores fit the tile budget (decode
+   steps) the tiles fill one score row and a single top-k picks the blocks (cheaper than a chain of merges);
 3. attention reads only the chosen blocks and the tail block (the tokens after the last complete one, up to the
    query itself) from the K/V pages (pallas_kernels/qsa_sparse.py, kernel or reference per the switch).
 Peak temporaries are [T, tile] scores and [query tile, budget] keys: they grow with the chunk, not the context.
