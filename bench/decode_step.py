@@ -90,14 +90,15 @@ def build(cfg, key, stack: bool = True):
     if not stack:
         tree, always, per_expert = _draw(cfg, key, lambda x: x)
         return fuse_projections(tree), always, per_expert
-    device, drawn = jax.devices()[0], []
+    device, sizes = jax.devices()[0], []
 
-    def on_host():
+    def on_host():  # returns the only reference to the per-layer tree, so that stacking can release it
         with jax.default_device(device):  # drawn on the accelerator (fast), kept on the host
-            drawn.append(_draw(cfg, key, to_host))
-        return fuse_projections(drawn[0][0])
+            tree, *counts = _draw(cfg, key, to_host)
+        sizes.extend(counts)
+        return fuse_projections(tree)
     params = build_stacked_on_host(on_host, device)
-    return params, drawn[0][1], drawn[0][2]
+    return params, *sizes
 
 
 def _draw(cfg, key, place):

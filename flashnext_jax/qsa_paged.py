@@ -96,24 +96,17 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
     if b * t * padded <= kv.score_elements:
         # a decode step: the scores of the whole width fit the budget, so fill them tile by tile and take ONE
         # top-k (the same set: lax.top_k prefers the lower index among equal values). On the H200 a chain of 16
-        # merges cost 1.15 ms per layer at 262K, one top_k over all 65,536 blocks 0.19 (bench/results/topk_probe.json)
+        # merges cost 1.15 ms per layer at 262K, one top_k over all 65,536 blocks 0.19 ms
+        # (bench/results/topk_probe.json). At least `top` entries: the extra ones stay -inf, are never chosen
+        # and name blocks past the page table (the null page).
         def fill(i, scores):
             return jax.lax.dynamic_update_slice_in_dim(scores, tile_scores(i * tile)[0], i * tile, axis=2)
-        scores = jax.lax.fori_loop(0, n_tiles, fill, jnp.full((b, t, padded), -jnp.inf, jnp.float32))
-        vals, idx = jax.lax.top_k(scores, top) if padded >= top else _top_padded(scores, top, n_blocks)
+        scores = jax.lax.fori_loop(0, n_tiles, fill, jnp.full((b, t, max(padded, top)), -jnp.inf, jnp.float32))
+        vals, idx = jax.lax.top_k(scores, top)
         return idx, jnp.isfinite(vals)
     init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
     vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
     return idx, jnp.isfinite(vals)
-
-
-def _top_padded(scores, top: int, n_blocks: int):
-    """top_k of fewer entries than k: every entry, then -inf entries naming block n_blocks (never chosen)."""
-    b, t, n = scores.shape
-    vals, idx = jax.lax.top_k(scores, n)
-    fill = top - n
-    return (jnp.concatenate([vals, jnp.full((b, t, fill), -jnp.inf, vals.dtype)], -1),
-            jnp.concatenate([idx, jnp.full((b, t, fill), n_blocks, idx.dtype)], -1))
 
 
 def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *, query_tile: int = 128):

@@ -128,7 +128,7 @@ def test_free_sources_deletes_only_the_per_layer_arrays():
     np.testing.assert_array_equal(np.asarray(stack[2]["w"]), np.full((4,), 2.0))
 
 
-def test_free_sources_releases_host_arrays_as_it_stacks():
+def test_free_sources_releases_host_arrays_as_it_stacks(monkeypatch):
     """Host (numpy) sources cannot be deleted; stacking drops every reference it holds to them as it goes, so that
     the loader's peak host memory is the model plus one stacked leaf (the caller's list is emptied)."""
     import gc
@@ -146,11 +146,8 @@ def test_free_sources_releases_host_arrays_as_it_stacks():
         gc.collect()
         seen.append([r() is None for r in refs])
         return real_stack(xs, *args, **kw)
-    np.stack = spy
-    try:
-        stack = stack_layers(layers, free_sources=True)
-    finally:
-        np.stack = real_stack
+    monkeypatch.setattr(np, "stack", spy)
+    stack = stack_layers(layers, free_sources=True)
     assert layers == [None, None, None] and seen[1] == [True, True, True]
     np.testing.assert_array_equal(np.asarray(stack[2]["b"]), np.full((2,), 2.0))
 
