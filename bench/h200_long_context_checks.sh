@@ -5,6 +5,7 @@
 #   bash bench/h200_long_context_checks.sh report    # call 1
 #   bash bench/h200_long_context_checks.sh probes    # call 2
 #   bash bench/h200_long_context_checks.sh memcheck  # the default pool sizing, one 8K step (~4 min)
+#   bash bench/h200_long_context_checks.sh profile   # default pool sizing; 32K twice, then a profiled 32K prefill
 # (carry .carry: llguidance + tqdm for python 3.12, see below)
 # .carry/pylib holds copies of the CPU venv's llguidance (abi3 wheel contents, with its dist-info) and tqdm:
 #   mkdir -p .carry/pylib && cp -r .venv/lib/python3.*/site-packages/{llguidance,llguidance-*.dist-info,tqdm,tqdm-*.dist-info} .carry/pylib/
@@ -42,6 +43,21 @@ elif [ "${1:-}" = memcheck ]; then
   timeout "${REPORT_TIMEOUT:-400}" python3 bench/long_context.py --experts 512 --lengths 8192 --decode-steps 0 \
       --twice-up-to 0 --no-precompile --out "$OUT/long_context_memcheck.json" > "$OUT/memcheck.log" 2>&1
   grep -v "compiling engine steps:" "$OUT/memcheck.log" | cut -c1-400 | tail -n 12
+elif [ "${1:-}" = profile ]; then
+  # where an 8K prefill chunk's time goes (TTFT 32K: 6.6 s vs the 2.0 s target), with the default BFC pool sizing
+  # and host-stacked weights (the memcheck), compiling in the requests (8K chunk, decode)
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=jit_run --xla_dump_hlo_as_text" \
+  timeout "${REPORT_TIMEOUT:-540}" python3 bench/long_context.py --experts 512 --lengths 32768 --decode-steps 16 \
+      --no-precompile --profile-length 32768 --hlo-dump /tmp/hlo --out "$OUT/long_context_profile.json" ${REPORT_ARGS:-} \
+      > "$OUT/profile.log" 2>&1
+  du -sh /tmp/hlo; ls /tmp/hlo | wc -l
+  grep -h "^allocation.*size 7361003520" /tmp/hlo/*jit_run*buffer-assignment.txt | cut -c1-200 | sort | uniq -c
+  # do the snapshot and slot leaves keep their buffers too (the default sizing's step died allocating exactly the
+  # snapshot gdn_rec leaf, 6.86 GiB)?
+  timeout 90 python3 tools/donation_probe.py --leaf-gib 8 > "$OUT/donation_pallas.log" 2>&1
+  grep -h "H200\|distinct\|step [0-9]\|Error" "$OUT"/donation_pallas.log
+  grep -v "compiling engine steps:" "$OUT/profile.log" | grep -v "^W1" | cut -c1-300 | tail -n 60
 else
-  echo "usage: bash bench/h200_long_context_checks.sh report|probes|memcheck" >&2; exit 2
+  echo "usage: bash bench/h200_long_context_checks.sh report|probes|memcheck|profile" >&2; exit 2
 fi

@@ -5,7 +5,9 @@ The real config with random weights in the INT4-Mixed scheme and ALL 512 routed 
 `--chunk` tokens (8192), page size 64, B=1, greedy. Random PLE rows as in bench/engine_step.py (no n-gram table
 at this size). Per prompt length: a first request (its TTFT, and how many XLA compiles ran inside it), then a
 second request of the same length (TTFT, then `--decode-steps` decode steps timed one by one: median ms/step) and
-the device's peak memory. Writes bench/results/long_context.json (or $OUT/...) with the issue's `summary` keys.
+the device's peak memory. With `--profile-length N` a third request of N tokens runs its prefill under the
+profiler: GPU time by model scope (bench/device_profile.py; give `XLA_FLAGS=--xla_dump_to=DIR` and `--hlo-dump DIR`
+for the scopes). Writes bench/results/long_context.json (or $OUT/...) with the issue's `summary` keys.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/long_context.py      # one H200
   LONG_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/long_context.py --out /tmp/lc.json  # CPU check
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import decode_step
+from bench import decode_step, device_profile
 from bench.engine_step import RandomPleRunner
 from bench.results_io import save_result
 from flashnext_jax import api
@@ -81,6 +83,9 @@ def main():
                          "needed under XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, which reports no memory limit")
     ap.add_argument("--no-precompile", action="store_true",
                     help="compile in the requests instead of at startup (a quick memory check of the default pool)")
+    ap.add_argument("--profile-length", type=int, default=None,
+                    help="profile the prefill of one more request of this many tokens (must be one of --lengths)")
+    ap.add_argument("--hlo-dump", default=None, help="the --xla_dump_to directory (maps kernels to model scopes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -138,9 +143,15 @@ def main():
             row.update(ttft_s=second["ttft_s"], compiles_in_request=second["compiles_before_first_token"],
                        decode_ms=second["decode_ms"], decode_steps=second["decode_steps"], peak_mem_gb=peak_gb(),
                        pool_sizing=pool_sizing)
+            if n == args.profile_length:
+                with device_profile.capture() as trace:
+                    profiled = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), 0)
+                row["profile"] = device_profile.summarize(trace.xspace, args.hlo_dump)
+                row["profile"]["ttft_s_under_profiler"] = profiled["ttft_s"]
+                device_profile.print_summary(row["profile"], f"prefill of {n} tokens")
         except Exception as e:  # noqa: BLE001  (an OOM at one length must not hide the others)
             row["error"] = repr(e)[:400]
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if k != "profile"}, flush=True)
         rows.append(row)
         save()
 

@@ -107,27 +107,37 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     `mrope` (image input, dense caches only) gives the QSA layers 3-D rotary positions.
     """
     new = {}
+    # The named scopes only label the compiled program's ops (profiles group GPU time by them: bench/device_profile.py).
     if layer in cfg.ple_layers:
-        delta, new["ple_conv"] = ple_forward(lp["ple"], cfg, x, ple_rows, layer_state["ple_conv"], valid, n_valid,
-                                             ends)
+        with jax.named_scope("ple"):
+            delta, new["ple_conv"] = ple_forward(lp["ple"], cfg, x, ple_rows, layer_state["ple_conv"], valid,
+                                                 n_valid, ends)
         x = x + delta
 
-    u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
+    with jax.named_scope("hyper"):
+        u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
     if cfg.layer_types[layer] == GDN:
-        y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
-                                                         layer_state["gdn_rec"], valid, n_valid, ends)
+        with jax.named_scope("gdn"):
+            y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
+                                                             layer_state["gdn_rec"], valid, n_valid, ends)
     elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
         if mrope is not None:
             raise NotImplementedError("3-D (image) positions on the paged QSA path: the engine takes no images yet")
-        y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid, layer_state["qsa_pages"])
+        with jax.named_scope("qsa"):
+            y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid,
+                                                    layer_state["qsa_pages"])
     else:
         cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
-        y, (new["kv_k"], new["kv_v"], new["kv_index"]) = qsa_forward(lp["self_attn"], cfg, u, positions, valid,
-                                                                     cache, mrope)
-    x = hyper_write(x, y, gains)
-
-    u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
-    x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
+        with jax.named_scope("qsa"):
+            y, (new["kv_k"], new["kv_v"], new["kv_index"]) = qsa_forward(lp["self_attn"], cfg, u, positions, valid,
+                                                                         cache, mrope)
+    with jax.named_scope("hyper"):
+        x = hyper_write(x, y, gains)
+        u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
+    with jax.named_scope("moe"):
+        y = moe_forward(lp["mlp"], cfg, u)
+    with jax.named_scope("hyper"):
+        x = hyper_write(x, y, gains)
     return x, new
 
 

@@ -122,7 +122,8 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
                      index=_write(kv.index, kv, positions, k_index))
 
-    idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions)
+    with jax.named_scope("select"):
+        idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions)
     n_complete = (positions + 1) // ratio
     blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)  # the chosen blocks, then the tail block
     length = jnp.concatenate([jnp.where(chosen, ratio, 0), ((positions + 1) % ratio)[..., None]], axis=-1)
@@ -132,8 +133,9 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     page, row = _page_rows(kv, blocks * ratio)
 
     qh = q.reshape(bsz, t, nkv, nh // nkv, hd)
-    out = qsa_sparse.sparse_attention(qh, kv.k, kv.v, kv.layer, page, row, length, ratio=ratio,
-                                      query_tile=query_tile)
+    with jax.named_scope("attend"):
+        out = qsa_sparse.sparse_attention(qh, kv.k, kv.v, kv.layer, page, row, length, ratio=ratio,
+                                          query_tile=query_tile)
     out = out.astype(u.dtype).reshape(bsz, t, nh * hd) * jax.nn.sigmoid(gate)
     return linear(out, p["o_proj"]), kv
 

@@ -44,7 +44,8 @@ def main():
 
     def ptrs():
         leaves = {**{f"page.{k}": v for k, v in eng.ledger.store.page.items()},
-                  **{f"slot.{k}": v for k, v in eng.ledger.store.slot.items()}}
+                  **{f"slot.{k}": v for k, v in eng.ledger.store.slot.items()},
+                  **{f"snap.{k}": v for k, v in eng.ledger.store.snap.items()}}
         return {k: v.unsafe_buffer_pointer() for k, v in leaves.items()}
 
     print(jax.devices()[0].device_kind, "kernels", os.environ.get("FLASHNEXT_KERNELS", "auto"), flush=True)
