@@ -268,13 +268,23 @@ def check_moe_shapes(x_shape, ids_shape, w_gate_up, w_down) -> None:
                                  f"got group_size={w.group_size} at {w.bits} bits")
 
 
+def default_moe_config(m: int, k: int, num_experts: int) -> MoEConfig:
+    """The tile config for m tokens of k experts each: where the experts get at least 32 routed rows on average
+    (m * k / E; prefill chunks), 64-row tiles of 64 columns, so each expert's weights are read once per 64 rows
+    instead of once per 16. H200, 512 experts (bench/results/moe_prefill.json): 8,192 tokens 6.09 ms against
+    10.04 at the default 16-row tiles, 2,048 tokens 2.21 against 2.96; 32- and 128-row tiles were slower."""
+    if m * k >= 32 * num_experts:
+        return MoEConfig(bm=64, bn_gate_up=64, bn_down=64)
+    return MoEConfig()
+
+
 def routed_experts_pallas(x, expert_ids, expert_weights, w_gate_up: QuantizedWeight, w_down: QuantizedWeight,
                           *, config: MoEConfig | None = None, interpret: bool = False) -> jax.Array:
     check_moe_shapes(x.shape, expert_ids.shape, w_gate_up, w_down)
-    cfg = config or MoEConfig()
     m, h = x.shape
     k = expert_ids.shape[1]
     e_count = w_gate_up.shape[0]
+    cfg = config or default_moe_config(m, k, e_count)
     inter = w_down.shape[1]
     bm = cfg.bm
     n_tiles = num_tiles_for(m, k, e_count, bm)

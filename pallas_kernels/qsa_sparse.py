@@ -3,9 +3,10 @@
 * `indexer_scores`: one tile of block scores, grid (B, T / TQ, N / TN); each program multiplies a [TQ, dI] query
   head by the [TN, dI] block keys per indexer head and sums the relus. The caller merges tiles into a running
   top-k (flashnext_jax/qsa_paged.py), so no [T, L / ratio] array ever exists.
-* `sparse_attention`: grid (B, T, kv heads); each program walks the query's J selected blocks (fori_loop),
-  loads `ratio` rows of K and V straight from the page pools at (page, offset, layer, head) and keeps an online
-  softmax for the query's G (padded to a power of two) heads. Nothing is gathered into a per-row copy.
+* `sparse_attention`: grid (B, T, kv heads); each program walks the query's selected blocks and tail as one flat
+  list of keys (`key_rows`), 64 keys per step: one gathered [64, hd] load of K and of V straight from the page
+  pools at (page, row, layer, head), two tensor-core dots for the query's G heads (padded to 16) and an online
+  softmax. Nothing is gathered into a per-row or per-tile copy.
 
 References with the same contracts: qsa_sparse_reference.py. `impl` (or FLASHNEXT_KERNELS) picks one.
 """
@@ -77,54 +78,71 @@ def indexer_scores_pallas(q_index, keys, n_complete, block0=0, interpret: bool =
 # ------------------------------------------------------------------------------------ gathered attention
 
 
-def _attention_kernel(q_ref, page_ref, off_ref, len_ref, k_ref, v_ref, o_ref, *, layer, ratio, n_blocks, scale):
+def key_rows(blk_page, blk_off, blk_len, *, ratio: int, keys_per_step: int):
+    """Per key of every query's block list: (page [B, T, S], row in the page [B, T, S], -1 where the key is not
+    attended), S = J * ratio padded to a multiple of keys_per_step. The kernel walks these flat lists."""
+    b, t, j = blk_page.shape
+    r = jnp.arange(ratio)
+    on = r < blk_len[..., None]
+    page = jnp.broadcast_to(blk_page[..., None], (b, t, j, ratio)).reshape(b, t, j * ratio)
+    row = jnp.where(on, blk_off[..., None] + r, -1).reshape(b, t, j * ratio)
+    s = -(-(j * ratio) // keys_per_step) * keys_per_step
+    return _pad_to(page.astype(jnp.int32), 2, s), _pad_to(row.astype(jnp.int32), 2, s, value=-1)
+
+
+def _attention_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, o_ref, *, layer, keys_per_step, n_steps, scale):
+    """One (row, query, kv head): an online softmax over the query's keys, keys_per_step at a time, each step one
+    gathered [S, hd] load of K and of V from the pools and two tensor-core dots for the query's heads."""
     h = pl.program_id(2)
-    q = q_ref[0, 0, 0].astype(jnp.float32)  # [Gp, hd]
+    q = q_ref[0, 0, 0]  # [Gp, hd]
     gp, hd = q.shape
 
-    def body(j, carry):
+    def body(i, carry):
         m, l, acc = carry
-        page, off, n = page_ref[0, 0, j], off_ref[0, 0, j], len_ref[0, 0, j]
-        on = jnp.arange(ratio) < n  # [ratio]
-        k = k_ref[page, pl.ds(off, ratio), layer, h, :].astype(jnp.float32)  # [ratio, hd]
-        v = v_ref[page, pl.ds(off, ratio), layer, h, :].astype(jnp.float32)
-        k = jnp.where(on[:, None], k, 0.0)
-        v = jnp.where(on[:, None], v, 0.0)
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1) * scale  # [Gp, ratio]
+        span = pl.ds(i * keys_per_step, keys_per_step)
+        page, row = page_ref[0, 0, span], row_ref[0, 0, span]  # [S]
+        on = row >= 0
+        row = jnp.maximum(row, 0)
+        k = jnp.where(on[:, None], k_ref[page, row, layer, h, :], 0).astype(q.dtype)  # [S, hd]; poisoned rows
+        v = jnp.where(on[:, None], v_ref[page, row, layer, h, :], 0).astype(q.dtype)  # never reach a sum
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [Gp, S]
         s = jnp.where(on[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.where(on[None, :], jnp.exp(s - safe[:, None]), 0.0)
         corr = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - safe))
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, n_steps, body, init)
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[0, 0, 0] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "ratio", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "ratio", "keys_per_step", "interpret"))
 def sparse_attention_pallas(q, k_pool, v_pool, blk_page, blk_off, blk_len, *, layer: int, ratio: int,
-                            interpret: bool = False):
-    """Same contract as qsa_sparse_reference.sparse_attention (the pools are read in place, never copied)."""
+                            keys_per_step: int = 64, interpret: bool = False):
+    """Same contract as qsa_sparse_reference.sparse_attention (the pools are read in place, never copied). The
+    query heads of a kv head are padded to at least 16 (the smallest tensor-core tile)."""
     b, t, kv, g, hd = q.shape
-    gp = _pow2_at_least(g)
+    gp = _pow2_at_least(g, 16)
     qp = _pad_to(q, 3, gp)
-    j = blk_page.shape[-1]
+    page, row = key_rows(blk_page, blk_off, blk_len, ratio=ratio, keys_per_step=keys_per_step)
+    s = page.shape[-1]
     pool_spec = pl.BlockSpec(k_pool.shape, lambda i, a, c: (0,) * k_pool.ndim)
-    table_spec = pl.BlockSpec((1, 1, j), lambda i, a, c: (i, a, 0))
+    table_spec = pl.BlockSpec((1, 1, s), lambda i, a, c: (i, a, 0))
     out = pl.pallas_call(
-        functools.partial(_attention_kernel, layer=layer, ratio=ratio, n_blocks=j, scale=hd**-0.5),
+        functools.partial(_attention_kernel, layer=layer, keys_per_step=keys_per_step, n_steps=s // keys_per_step,
+                          scale=hd**-0.5),
         grid=(b, t, kv),
         in_specs=[pl.BlockSpec((1, 1, 1, gp, hd), lambda i, a, c: (i, a, c, 0, 0)), table_spec, table_spec,
-                  table_spec, pool_spec, pool_spec],
+                  pool_spec, pool_spec],
         out_specs=pl.BlockSpec((1, 1, 1, gp, hd), lambda i, a, c: (i, a, c, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
-    )(qp, blk_page.astype(jnp.int32), blk_off.astype(jnp.int32), blk_len.astype(jnp.int32), k_pool, v_pool)
+    )(qp, page, row, k_pool, v_pool)
     return out[:, :, :, :g]
 
 
@@ -139,14 +157,21 @@ def indexer_scores(q_index, keys, n_complete, block0=0, *, impl: str | None = No
     return indexer_scores_pallas(q_index, keys, n_complete, block0, interpret=mode == "interpret")
 
 
+# query counts from which 'auto' runs the attention kernel on a GPU (bench/results/qsa_kernels.json, H200, 8,192
+# queries: kernel 7.6 ms against the reference's 46.5; one decode query: 0.27 ms against 0.13)
+KERNEL_MIN_QUERIES = 64
+
+
 def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, *, ratio: int,
                      impl: str | None = None, query_tile: int = 128):
-    """Kernel or reference per the switch (qsa_sparse_reference.sparse_attention has the contract). Unlike the
-    other kernels, 'auto' means the reference here on a GPU too: on the H200 the kernel took 1.51 ms per layer for a
-    decode query against the reference's 0.13 ms and 114 ms against 46 ms for an 8,192-token chunk
-    (bench/results/qsa_kernels.json: one program per query walks 513 blocks of 4 keys, latency bound).
-    'pallas' (argument or FLASHNEXT_KERNELS) still runs the kernel."""
-    mode = resolve_impl(impl, gpu_auto="reference")
+    """Kernel or reference per the switch (qsa_sparse_reference.sparse_attention has the contract). 'auto' on a GPU
+    runs the kernel for a step of at least KERNEL_MIN_QUERIES queries in a 16-bit dtype (prefill chunks: no
+    [tile, keys] gather is materialised) and the reference for decode-sized steps (a handful of programs walking
+    2,052 keys each is latency bound, where the reference's one gather spreads over the whole GPU) and for float32
+    (the kernel's dots would round through TF32)."""
+    b, t = q.shape[:2]
+    kernel_fits = b * t >= KERNEL_MIN_QUERIES and jnp.dtype(q.dtype).itemsize == 2
+    mode = resolve_impl(impl, gpu_auto="pallas" if kernel_fits else "reference")
     if mode == "reference":
         return ref.sparse_attention(q, k_pool, v_pool, layer, blk_page, blk_off, blk_len, ratio=ratio,
                                     query_tile=query_tile)

@@ -14,8 +14,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import moe_matmul
 from pallas_kernels import quant_layout as ql
 from pallas_kernels.quant_gemv import gemv_call_options
-from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, _tile_routing, num_tiles_for, routed_experts,
-                                       routed_experts_gemv, routed_experts_pallas, routed_experts_reference)
+from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, _tile_routing, default_moe_config, num_tiles_for,
+                                       routed_experts, routed_experts_gemv, routed_experts_pallas,
+                                       routed_experts_reference)
 
 E, H, I = 8, 256, 128  # real H=2560, I=640 scaled down (H two int4 groups of 128, I one)
 
@@ -54,6 +55,16 @@ def check(x, ids, wts, wgu, wd, seed, config=None):
 def test_random_routing_matches_reference(m, k):
     rng, seed = fresh_rng()
     wgu, wd = experts(rng)
+    x, wts = inputs(rng, m, k)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(m)]), jnp.int32)
+    check(x, ids, wts, wgu, wd, seed)
+
+
+def test_prefill_sized_batches_take_64_row_tiles_and_match_the_reference():
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    m, k = 160, 2  # 40 routed rows per expert on average: the prefill config
+    assert default_moe_config(m, k, E).bm == 64 and default_moe_config(16, k, E).bm == 16
     x, wts = inputs(rng, m, k)
     ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(m)]), jnp.int32)
     check(x, ids, wts, wgu, wd, seed)

@@ -24,8 +24,9 @@ def test_indexer_scores_kernel_equals_reference(t, n, block0):
     np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("t,j,g", [(1, 5, 2), (3, 9, 3)])  # decode, and a few queries with G not a power of two
-def test_sparse_attention_kernel_equals_reference(t, j, g):
+# decode, a few queries with G not a power of two, and block lists of several kernel steps (a partial last one)
+@pytest.mark.parametrize("t,j,g,keys_per_step", [(1, 5, 2, 64), (3, 9, 3, 64), (2, 21, 3, 16)])
+def test_sparse_attention_kernel_equals_reference(t, j, g, keys_per_step):
     ratio, page, pages, kv, hd = 4, 8, 6, 2, 16
     ks = jax.random.split(jax.random.key(j), 6)
     k_pool = jax.random.normal(ks[0], (pages + 1, page, 2, kv, hd))
@@ -38,8 +39,8 @@ def test_sparse_attention_kernel_equals_reference(t, j, g):
     blk_len = jax.random.randint(ks[5], (2, t, j), 0, ratio + 1)
     blk_len = jnp.where(blk_page == pages, 0, blk_len).at[1, 0].set(0)  # row 1's first query attends nothing
     want = ref.sparse_attention(q, k_pool, v_pool, 1, blk_page, blk_off, blk_len, ratio=ratio)
-    got = qsa_sparse.sparse_attention(q, k_pool, v_pool, 1, blk_page, blk_off, blk_len, ratio=ratio,
-                                      impl="interpret")
+    got = qsa_sparse.sparse_attention_pallas(q, k_pool, v_pool, blk_page, blk_off, blk_len, layer=1, ratio=ratio,
+                                             keys_per_step=keys_per_step, interpret=True)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(got)[1, 0] == 0)
