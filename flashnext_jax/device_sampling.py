@@ -1,4 +1,4 @@
-"""Temperature / top-k / top-p / min-p sampling on the device, inside the engine's jitted step.
+"""Temperature / top-k / top-p / min-p sampling on the device, in the engine's jitted sampler.
 
 Why: on the host (numpy, float64) one sampled token costs 4.8-8.5 ms per row at the 248k vocabulary on a 2-core
 CPU (temperature alone / with top-p 0.9 / with top-k 50), about the device's whole real-size decode step (6.5 ms
@@ -8,7 +8,8 @@ device.
 
 Which rows: sampled rows without penalties of an engine without speculative decoding (`device_sampled` below);
 rejection sampling of MTP drafts and the penalties (which need the token history) stay on the host
-(sampling.py). Greedy rows take the device argmax (engine.with_device_sampling).
+(sampling.py). Greedy rows take the model step's device argmax (engine.model_step); this runs in the engine's
+sampler (engine.choose_tokens), a small program of its own after the model step.
 
 Same steps as `sampling.probs_from_logits`, in float32: x = logits / T; top-k keeps x >= the k-th largest (ties
 kept); p = softmax; top-p keeps the shortest prefix in (descending p, ascending id) order whose mass before its
@@ -48,9 +49,10 @@ class SamplingInputs:
     not sample on the device: temperature 1, no masks, key 0; their samples are never read).
 
     `top_k_mode` and `use_top_p` say which masks some row of the batch uses. They are static (pytree metadata, so
-    part of the jitted step's cache key) because the host knows them: a mask is chosen at trace time instead of by
-    a `lax.cond` on device values, which made the H200 step's jitted call wait until the step had run
-    (bench/results/engine_step_sampling.json). The price is one compiled step per combination in use."""
+    part of the jitted sampler's key, engine.SamplerKey) because the host knows them: a mask is chosen at trace
+    time instead of by a `lax.cond` on device values, which made the H200 step's jitted call wait until the step
+    had run (bench/results/engine_step_sampling.json). The price is one compiled sampler per combination in use (a
+    small program: the model step does not depend on it)."""
 
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32, 0 = off
@@ -146,7 +148,7 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p, *, top_k_m
 def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """logits [B, K1, V] -> one token per row and column [B, K1] int32, every column of a row drawn with the row's
     one uniform (the engine reads the column of the row's last token). The engine traces this only into steps where
-    some row samples on the device (engine.with_device_sampling), not behind a lax.cond: with one, the H200 engine
+    some row samples on the device (engine.choose_tokens), not behind a lax.cond: with one, the H200 engine
     step at B=1 did not return from the jitted call until the step had run (dispatch 7.5 ms, device time 6.0;
     bench/results/engine_step_sampling.json), as if XLA read the predicate back on the host mid-step."""
     b, k1, v = logits.shape
@@ -166,7 +168,7 @@ def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
 class LogitBias:
     """Per batch row, the request's logit_bias as (ids [B, NB] int32, values [B, NB] float32), padded with
     (0, 0.0): a few bytes per step instead of a dense [B, V] bias (1 MB per row at the real vocabulary). NB is a
-    power-of-two bucket of the longest bias of the step (engine), so it is part of the step's shape."""
+    power-of-two bucket of the longest bias of the step (engine), so it is part of the sampler's key."""
 
     ids: jax.Array
     values: jax.Array
@@ -177,13 +179,18 @@ class LogitBias:
         longest = max((len(b) for b in biases if b), default=0)
         if not longest:
             return None
-        nb = max(8, 1 << (longest - 1).bit_length())
+        nb = LogitBias.width(longest)
         ids, values = np.zeros((batch_size, nb), np.int32), np.zeros((batch_size, nb), np.float32)
         for row, bias in enumerate(biases):
             if bias:
                 ids[row, : len(bias)] = list(bias.keys())
                 values[row, : len(bias)] = list(bias.values())
         return LogitBias(ids, values)
+
+    @staticmethod
+    def width(longest: int) -> int:
+        """NB for a step whose longest bias has `longest` entries (>= 1)."""
+        return max(8, 1 << (longest - 1).bit_length())
 
     def apply(self, logits: jax.Array) -> jax.Array:
         """logits [B, ..., V] + each row's bias (padding adds 0.0 to token 0)."""

@@ -1,6 +1,7 @@
 """The engine loop: schedule -> tickets -> padded batch (row->slot map lives only in this step) -> jitted pure
-step `(params, store, batch) -> (store, outputs)` with the store donated -> (D steps later) sample + commit via
-the ticket. See docs/engine-design.md for the model protocol and the invariants each test proves.
+model step `(params, store, batch) -> (store, outputs)` with the store donated (then, where a row needs more than
+its argmax, the jitted sampler) -> (D steps later) sample + commit via the ticket. See docs/engine-design.md for
+the model protocol and the invariants each test proves.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import logging
 import random
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,38 +112,24 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple[Any, StepCache, CompileAhead]] = {}  # id(runner) -> (runner, its compiled steps, their
-# background compiler)
+_JIT: dict[int, tuple] = {}  # id(runner) -> (runner, its model steps, its samplers, their background compiler)
 
 
-def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
+def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
     """runner.step(params, store, batch) plus, computed on the device: for "logits" and "draft_logits" the argmax
-    over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"), and the tokens of
-    the rows that sample on the device ("logits_sample", device_sampling.py). Greedy rows and device-sampled rows
-    commit from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the
-    real vocabulary). A PackedBatch is unpacked here, inside the jitted step. sampling_inputs None (no row samples
-    on the device): the step has no sampling code at all (jit traces None and SamplingInputs separately).
-
-    `logit_bias` (device_sampling.LogitBias, None when no row has one) is added to the logits and draft logits
-    the argmax and the device sample choose from; "logits" and "draft_logits" stay raw (the host adds the bias
-    itself where it samples, sampling.apply_logit_bias).
-
-    `logprobs` (static: a separate compile, traced only when some row of the step asks for logprobs): also the
-    log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob", "logits_sample_logprob") and the
-    MAX_LOGPROBS most likely tokens of every position ("logits_top_ids", "logits_top_logprobs").
+    over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"). Greedy rows commit
+    from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real
+    vocabulary). A PackedBatch is unpacked here, inside the jitted step. Everything else that chooses tokens
+    (device sampling, logprobs, logit bias, grammar masks) is `choose_tokens`, a program of its own, so a model
+    step is compiled once per StepKey whatever its rows' sampling.
 
     `prompt_targets` ([B, T] int32, None when no row asks for prompt logprobs): the step runs with
     all_positions=True and returns the raw logprob of each position's next prompt token and the top
-    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden)).
-
-    `token_mask` [B, K1, ceil(V/32)] int32 (structured outputs: the packed grammar masks of the constrained rows'
-    token-choosing columns, -1 words elsewhere) or None: masked columns choose their argmax / sample among the
-    allowed tokens only; "logits", the finite flags and the logprobs stay those of the raw logits. None: no mask
-    code in the step (jit traces None and an array separately: a static flag of the step's shape).
+    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden)). None: jit
+    traces None and an array separately, so steps without prompt logprobs compute nothing for them.
 
     `stage_inputs`: what a last pipeline stage takes besides the batch (the previous stage's hyper state)."""
-    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None,
-            token_mask=None, *stage_inputs):
+    def run(params, store, batch, prompt_targets=None, *stage_inputs):
         if isinstance(batch, PackedBatch):
             batch = batch.unpack()
         if prompt_targets is None:
@@ -150,25 +137,9 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
         else:
             store, out = step(params, store, batch, *stage_inputs, all_positions=True)
         out = dict(out)
-        chosen_from = {}
         for name in ("logits", "draft_logits"):
             out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
-            chosen_from[name] = out[name] if logit_bias is None else logit_bias.apply(out[name])
-        if token_mask is not None:
-            chosen_from["logits"] = apply_token_bitmask(chosen_from["logits"], token_mask)
-        for name, x in chosen_from.items():
-            out[name + "_argmax"] = jnp.argmax(x, axis=-1).astype(jnp.int32)  # first maximum, as numpy
-        if sampling_inputs is not None:
-            out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
-        if logprobs:
-            x = out["logits"].astype(jnp.float32)
-            lse = jax.nn.logsumexp(x, axis=-1)
-            top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
-            out["logits_top_logprobs"] = top_values - lse[..., None]
-            taken = lambda ids: jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - lse  # noqa: E731
-            out["logits_argmax_logprob"] = taken(out["logits_argmax"])
-            if sampling_inputs is not None:
-                out["logits_sample_logprob"] = taken(out["logits_sample"])
+            out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
         if prompt_targets is not None:
             out.update(prompt_logprobs(lambda h: logits_of(params, h), out.pop("hidden"), prompt_targets,
                                        sampling.MAX_LOGPROBS))
@@ -176,20 +147,81 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     return run
 
 
-def jitted_step(runner: ModelRunner) -> tuple[StepCache, CompileAhead]:
-    """The runner's compiled steps by shape (one StepCache per runner, shared by its engines; a new shape compiles:
-    about a minute at the real model size, so the engine logs it) and the background compiler that compiles shapes
-    before they are needed (compile_ahead.py). A pipeline (pipeline.py) has one jitted step per stage instead:
-    its PipelineSteps stands in for the StepCache."""
-    if hasattr(runner, "pipeline_step"):
-        steps = runner.steps()
-        return steps, CompileAhead(steps.compile, steps.__contains__)
+def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, token_mask=None,
+                  logprobs: bool = False) -> dict:
+    """What a step's rows need beyond the model step's argmax, from its raw logits [B, K1, V] and draft logits
+    [B, K1, k, V], as a small program of its own (the engine's sampler: its size does not grow with the model, 1-2 s
+    to compile on a 2-core CPU where a model step takes about a minute at the real size on a GPU, so its variants
+    cost little: docs/engine-design.md, "Compiles"). Each input traces its code only when given (None: jit traces
+    nothing for it), so the sampler's key (SamplerKey) says which:
+
+    * `sampling_inputs` (device_sampling.SamplingInputs): the tokens of the rows that sample on the device
+      ("logits_sample"); which masks it traces (top-k, top-p) is static, part of the key;
+    * `logit_bias` (device_sampling.LogitBias): added to the logits and draft logits the argmax and the device
+      sample choose from (then "logits_argmax" / "draft_logits_argmax" are the biased ones and replace the model
+      step's); the raw logits stay raw (the host adds the bias itself where it samples, sampling.apply_logit_bias);
+    * `token_mask` [B, K1, ceil(V/32)] int32 (structured outputs: the packed grammar masks of the constrained rows'
+      token-choosing columns, -1 words elsewhere): masked columns choose their argmax / sample among the allowed
+      tokens only; the finite flags and the logprobs stay those of the raw logits;
+    * `logprobs` (static): the log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob",
+      "logits_sample_logprob") and the MAX_LOGPROBS most likely tokens of every position ("logits_top_ids",
+      "logits_top_logprobs"): a top-k over the whole vocabulary, so only in steps where a row reads them."""
+    out = {}
+    chosen_from = {"logits": logits, "draft_logits": draft_logits}
+    if logit_bias is not None:
+        chosen_from = {name: logit_bias.apply(x) for name, x in chosen_from.items()}
+    if token_mask is not None:
+        chosen_from["logits"] = apply_token_bitmask(chosen_from["logits"], token_mask)
+    if logit_bias is not None or token_mask is not None:
+        out = {name + "_argmax": jnp.argmax(x, axis=-1).astype(jnp.int32) for name, x in chosen_from.items()}
+    if sampling_inputs is not None:
+        out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
+    if logprobs:
+        x = logits.astype(jnp.float32)
+        lse = jax.nn.logsumexp(x, axis=-1)
+        top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
+        out["logits_top_logprobs"] = top_values - lse[..., None]
+        taken = lambda ids: jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - lse  # noqa: E731
+        argmax = out["logits_argmax"] if "logits_argmax" in out else jnp.argmax(x, axis=-1).astype(jnp.int32)
+        out["logits_argmax_logprob"] = taken(argmax)
+        if sampling_inputs is not None:
+            out["logits_sample_logprob"] = taken(out["logits_sample"])
+    return out
+
+
+def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
+    """`model_step` then `choose_tokens` in one function, what the engine's two programs compute together (tests
+    and benchmarks of the token-choosing code): run(params, store, batch, sampling_inputs, logprobs, logit_bias,
+    prompt_targets, token_mask) -> (store, outputs)."""
+    model = model_step(step, logits_of)
+
+    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None,
+            token_mask=None):
+        store, out = model(params, store, batch, prompt_targets)
+        if logprobs or any(a is not None for a in (sampling_inputs, logit_bias, token_mask)):
+            out |= choose_tokens(out["logits"], out["draft_logits"], sampling_inputs, logit_bias, token_mask,
+                                 logprobs)
+        return store, out
+    return run
+
+
+def jitted_step(runner: ModelRunner) -> tuple[Any, StepCache, CompileAhead]:
+    """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
+    compiles: about a minute at the real model size, so the engine logs it), its compiled samplers (choose_tokens)
+    by SamplerKey, and the background compiler that compiles model steps before they are needed (compile_ahead.py).
+    A pipeline (pipeline.py) has one jitted model step per stage instead: its PipelineSteps stands in for the model
+    steps' StepCache."""
     hit = _JIT.get(id(runner))
     if hit is None or hit[0] is not runner:
-        steps = StepCache(with_device_sampling(runner.step, getattr(runner, "logits", None)), 32)
-        hit = (runner, steps, CompileAhead(steps.compile, steps.__contains__))
+        if hasattr(runner, "pipeline_step"):
+            steps = runner.steps()
+        else:
+            steps = StepCache(model_step(runner.step, getattr(runner, "logits", None)), 32, name="run")
+        samplers = StepCache(choose_tokens, 64, donate_argnums=(), static_argnums=(5,), name="choose_tokens",
+                             log_level=logging.DEBUG)
+        hit = (runner, steps, samplers, CompileAhead(steps.compile, steps.__contains__))
         _JIT[id(runner)] = hit
-    return hit[1], hit[2]
+    return hit[1], hit[2], hit[3]
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -214,18 +246,58 @@ def _check_prefill_buckets(buckets: tuple[int, ...] | None, decode_tokens: int, 
         raise ValueError(f"prefill buckets must exceed the decode step's {decode_tokens} tokens, got {buckets}")
 
 
-def _describe_shape(shape: tuple) -> str:
-    """How a step shape (rows, tokens, page-table width, device sampling masks or None, logprobs, logit-bias width,
-    prompt logprobs, grammar masks) reads in the log."""
-    b, t, width, masks, logprobs, bias_width, prompt, token_mask, *_ = shape
-    words = f"{b} rows x {t} tokens, page tables of {width} pages"
-    if masks is not None:
-        top_k_mode, use_top_p = masks
-        words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
-            top_k_mode] + (" with top-p" if use_top_p else "")
-    words += f", logit bias of up to {bias_width} tokens" if bias_width else ""
-    return (words + (", with logprobs" if logprobs else "") + (", with prompt logprobs" if prompt else "")
-            + (", with grammar masks" if token_mask else ""))
+def _components(key: tuple, fields: Sequence[str]) -> str:
+    return " ".join(f"{name}={getattr(key, name)}" for name in fields)
+
+
+class StepKey(NamedTuple):
+    """What one compiled model step (model_step) is specialised to: its StepCache key (a plain tuple of the same
+    values is the same key). Nothing about how rows choose their tokens is in it: that is the SamplerKey's."""
+
+    rows: int  # B: a power-of-two bucket of the step's rows
+    tokens: int  # T: the decode bucket or a prefill bucket (Engine._token_bucket)
+    page_table_width: int  # pages per row in the step's page tables
+    prompt_logprobs: bool  # every position's logits (some row asks for prompt logprobs)
+    store: tuple  # the store's leaf shapes (engines of one runner with other pool sizes share the cache)
+
+    def describe(self) -> str:
+        """The key in words, for the log."""
+        return (f"{self.rows} rows x {self.tokens} tokens, page tables of {self.page_table_width} pages"
+                + (", with prompt logprobs" if self.prompt_logprobs else ""))
+
+    def components(self) -> str:
+        """Every component but the store, by name (the debug line of a new key)."""
+        return _components(self, self._fields[:-1])
+
+
+class SamplerKey(NamedTuple):
+    """What one compiled sampler (choose_tokens) is specialised to. It runs after a model step whose rows need more
+    than the step's argmax: device sampling, logprobs, a logit bias or grammar masks. Its inputs' other dimensions
+    (K1, drafts, vocabulary) are the runner's, so fixed for its StepCache."""
+
+    rows: int  # B, as the model step's
+    sampling: tuple | None  # (top_k_mode, use_top_p) of the rows sampled on the device (SamplingInputs.masks); None
+    logprobs: bool  # the logsumexp and top-k logprob outputs (a row whose token the device chooses wants logprobs)
+    logit_bias_width: int  # (id, bias) pairs per row (device_sampling.LogitBias), 0: no row has a logit_bias
+    grammar: bool  # packed grammar masks (some row is constrained)
+
+    def describe(self) -> str:
+        words = f"the sampler of {self.rows} rows"
+        if self.sampling is not None:
+            top_k_mode, use_top_p = self.sampling
+            words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
+                top_k_mode] + (" with top-p" if use_top_p else "")
+        words += ", with logprobs" if self.logprobs else ""
+        words += f", logit bias of up to {self.logit_bias_width} tokens" if self.logit_bias_width else ""
+        return words + (", with grammar masks" if self.grammar else "")
+
+    def components(self) -> str:
+        return _components(self, self._fields)
+
+    @property
+    def needed(self) -> bool:
+        """Whether the step's rows need the sampler at all (greedy rows alone commit from the model step)."""
+        return self.sampling is not None or self.logprobs or bool(self.logit_bias_width) or self.grammar
 
 
 class HostOutputs:
@@ -233,13 +305,16 @@ class HostOutputs:
     row samples with a temperature or penalties)."""
 
     def __init__(self, out: dict):
-        self._out, self._host = out, {}
+        self._out, self._host = out, {}  # out: the model step's outputs, then the sampler's (which replace some)
+
+    # the few-byte outputs come over together, by group: one device_get instead of one sync copy each (the logprob
+    # outputs only when a row reads logprobs)
+    GROUPS = (("_argmax", "_finite"), ("_logprob", "_logprobs", "_top_ids"))
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._host:
-            small = [n for n in self._out if n.endswith(("_argmax", "_finite", "_logprob", "_logprobs", "_top_ids"))]
-            # the few-byte greedy outputs come over together: one device_get instead of one sync copy each
-            names = small if name in small else [name]
+            group = next((g for g in self.GROUPS if name.endswith(g)), None)
+            names = [n for n in self._out if n.endswith(group)] if group else [name]
             self._host.update(zip(names, jax.device_get([self._out[n] for n in names])))
         return self._host[name]
 
@@ -287,9 +362,11 @@ class EngineConfig:
     # bucket), "max" (always the widest, max_model_len's pages: one width, nothing compiles as a context grows),
     # "auto" ("max" where the runner says a padded width costs nothing, `runner.one_page_width`, else "bucket")
     page_table_width: str = "auto"
-    # compiled step executables kept (least recently used dropped beyond): each maps ~1,000 memory regions, and
+    # compiled model steps kept (least recently used dropped beyond): each maps ~1,000 memory regions, and
     # vm.max_map_count (65,530) ended a server that kept ~60 (step_cache.py)
     max_compiled_steps: int = 32
+    # compiled samplers kept (choose_tokens): small programs, ~100 memory maps each on the CPU (a model step ~1,000)
+    max_compiled_samplers: int = 64
 
 
 class Engine:
@@ -329,8 +406,11 @@ class Engine:
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets),
                                self.ledger)
-        self._steps, self._ahead = jitted_step(runner)
+        self._steps, self._samplers, self._ahead = jitted_step(runner)
         self._steps.set_limit(cfg.max_compiled_steps)
+        self._samplers.set_limit(cfg.max_compiled_samplers)
+        # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
+        self._placement = getattr(runner, "shardings", (None,))[-1]
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
         self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
@@ -360,70 +440,110 @@ class Engine:
         return pool.num_pages
 
     # ---- compiling ahead of traffic
-    def decode_shapes(self) -> list[tuple]:
-        """The greedy decode step shapes this engine can launch (every row bucket x the decode token bucket x every
-        page-table width): the steps that run at every width as contexts grow, so the ones precompiled."""
+    def _row_buckets(self) -> list[int]:
+        """Every row bucket B a step of this engine can have (powers of two from min_batch_bucket)."""
         rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))
         first = _bucket(max(1, self.cfg.min_batch_bucket))
+        return [1 << i for i in range(first.bit_length() - 1, rows.bit_length())]
+
+    def decode_shapes(self) -> list[StepKey]:
+        """The decode model steps this engine can launch (every row bucket x the decode token bucket x every
+        page-table width): the steps that run at every width as contexts grow, so the ones precompiled."""
         widths = [1 << i for i in range(self.max_pages_per_row.bit_length()) if 1 << i <= self.max_pages_per_row]
         widths = widths[-1:] if self.one_width else widths
-        return [(b, self._decode_tokens, w, None, False, 0, False, False, self._store_key)
-                for b in (1 << i for i in range(first.bit_length() - 1, rows.bit_length())) for w in widths]
+        return [StepKey(b, self._decode_tokens, w, False, self._store_key) for b in self._row_buckets() for w in widths]
 
-    def startup_shapes(self, sampling_params: Sequence[sampling.SamplingParams] = ()) -> list[tuple]:
-        """What `precompile` compiles by default: the greedy decode shapes, and with one page-table width also the
-        greedy prefill steps at every row bucket: every prefill bucket, so that no prompt's chunk compiles (without
+    def startup_shapes(self) -> list[StepKey]:
+        """The model steps `precompile` compiles by default: the decode steps, and with one page-table width also
+        the prefill steps at every row bucket: every prefill bucket, so that no prompt's chunk compiles (without
         prefill_buckets only the full chunk, max_num_batched_tokens: a prompt's shorter last chunk then has a token
-        bucket of its own that compiles on first use). `sampling_params`: request parameters expected in traffic (a
-        server's generation defaults): the same shapes again for each device-sampling variant they use (which
-        top-k / top-p masks the step traces: device_sampling.mask_modes), at one shape each per variant."""
-        greedy = self.decode_shapes()
+        bucket of its own that compiles on first use)."""
+        keys = self.decode_shapes()
         if self.one_width:
             full = _bucket(max(min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len), self._decode_tokens))
             prefill = self.cfg.prefill_buckets or (full,)
-            greedy += [(b, t, *rest) for t in prefill if t > self._decode_tokens for b, _, *rest in greedy]
-        variants = dict.fromkeys(mask_modes([max(p.top_k, 0)], [p.top_p]) for p in sampling_params
-                                 if device_sampled(p, self.cfg.num_speculative_tokens))
-        return greedy + [(b, t, w, masks, *rest) for masks in variants for b, t, w, _, *rest in greedy]
+            keys += [k._replace(tokens=t) for t in prefill if t > self._decode_tokens for k in self.decode_shapes()]
+        return keys
+
+    def startup_samplers(self, sampling_params: Sequence[sampling.SamplingParams] = ()) -> list[SamplerKey]:
+        """The samplers requests of these parameters need (a server's generation defaults: what most of its
+        requests sample with), at every row bucket: the key of a step whose token-choosing rows all have one of
+        them (as _choose_tokens makes it from the step's inputs)."""
+        keys = {}
+        for p in sampling_params:
+            masks = mask_modes([max(p.top_k, 0)], [p.top_p]) if device_sampled(p, self.cfg.num_speculative_tokens) \
+                else None
+            bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
+            for b in self._row_buckets():
+                keys[SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None)] = None
+        return [k for k in keys if k.needed]
+
+    def _device_logprobs(self, params: Sequence[sampling.SamplingParams]) -> bool:
+        """Whether some row wants the logprob of a token the device chooses (greedy without penalties, or sampled
+        on the device); the host computes those of the tokens it samples from the logits (sampling.token_logprob)."""
+        return any(p.logprobs is not None and (p.device_argmax or device_sampled(p, self.cfg.num_speculative_tokens))
+                   for p in params)
 
     def precompile(self, shapes: Sequence[tuple] | None = None, progress: bool = True,
                    sampling_params: Sequence[sampling.SamplingParams] = ()) -> int:
-        """Compile the step for `shapes` (default: startup_shapes(sampling_params)) now, with a progress bar, so that
-        requests of those shapes compile nothing (with JAX's persistent compilation cache configured, a restart
-        reads them from disk). Returns how many were compiled."""
+        """Compile the model steps of `shapes` (StepKeys; default: startup_shapes()) and the samplers of
+        `sampling_params` (startup_samplers) now, with a progress bar, so that requests of those shapes compile
+        nothing (with JAX's persistent compilation cache configured, a restart reads them from disk). Returns how
+        many programs were compiled."""
         from tqdm import tqdm
 
-        shapes = list(self.startup_shapes(sampling_params) if shapes is None else shapes)
-        if len(shapes) > self._steps.limit:
-            log.warning("precompiling %d step shapes, more than max_compiled_steps %d: keeping all of them",
-                        len(shapes), self._steps.limit)
-            self._steps.set_limit(len(shapes))
-        todo = [s for s in shapes if s not in self._steps]
-        log.info("precompiling %d engine step shapes (%d compiled already)", len(todo), len(shapes) - len(todo))
+        keys = [StepKey(*s) for s in (self.startup_shapes() if shapes is None else shapes)]
+        # a pipeline compiles nothing ahead (PipelineSteps): nor its samplers, which take the model steps' outputs
+        samplers = [] if hasattr(self.runner, "pipeline_step") else self.startup_samplers(sampling_params)
+        for cache, n, what in ((self._steps, len(keys), "model steps"), (self._samplers, len(samplers), "samplers")):
+            if n > cache.limit:
+                log.warning("precompiling %d %s, more than the %d kept: keeping all of them", n, what, cache.limit)
+                cache.set_limit(n)
+        todo = [k for k in keys if k not in self._steps] + [k for k in samplers if k not in self._samplers]
+        log.info("precompiling %d engine programs (%d compiled already)", len(todo),
+                 len(keys) + len(samplers) - len(todo))
         t0 = time.perf_counter()
-        for shape in tqdm(todo, desc="compiling engine steps", unit=" shapes", disable=not progress):
-            log.info("compiling the engine step for %s", _describe_shape(shape))
-            self._steps.compile(shape, self._abstract_args(shape))
-        log.info("precompiled %d engine step shapes in %.1f s", len(todo), time.perf_counter() - t0)
+        for key in tqdm(todo, desc="compiling engine steps", unit=" programs", disable=not progress):
+            if isinstance(key, StepKey):
+                log.info("compiling the engine step for %s", key.describe())
+                self._steps.compile(key, self._abstract_args(key))
+            else:
+                log.debug("compiling %s", key.describe())
+                self._compile_sampler(key, keys)
+        log.info("precompiled %d engine programs in %.1f s", len(todo), time.perf_counter() - t0)
         return len(todo)
 
-    def _abstract_args(self, shape: tuple) -> tuple:
-        """The step's argument types for a shape key, built the way a step builds its arguments (so the types and
-        device placements are the ones a real step of that shape has)."""
-        b, t, width, masks, logprobs, bias_width, prompt, token_mask, _ = shape
+    def _abstract_args(self, key: StepKey) -> tuple:
+        """The model step's argument types for a key, built the way a step builds its arguments (so the types and
+        device placements are the ones a real step of that key has)."""
+        b, t = key.rows, key.tokens
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
-                                                np.full((b, width), -1, np.int32),
+                                                np.full((b, key.page_table_width), -1, np.int32),
                                                 self.runner.host_prepare([None] * b, t)))
-        inputs = None if masks is None else jax.device_put(SamplingInputs(
+        targets = jax.device_put(z(b, t)) if key.prompt_logprobs else None
+        return abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(targets)
+
+    def _compile_sampler(self, key: SamplerKey, model_keys: Sequence[StepKey]):
+        """Compile a sampler for the logits of a model step of its rows: their types, placement included, are that
+        compiled step's outputs (a key's executable must take what the engine's calls give it)."""
+        model = next((k for k in model_keys if k.rows == key.rows), None) or next(
+            k for k in self.decode_shapes() if k.rows == key.rows)
+        out = self._steps.compile(model, self._abstract_args(model)).out_info[1]
+        b, v = key.rows, self.runner.vocab_size
+        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        inputs = None if key.sampling is None else SamplingInputs(
             np.ones(b, np.float32), z(b), np.ones(b, np.float32), np.zeros(b, np.float32),
-            np.zeros((b, 2), np.uint32), *masks))
-        bias = None if not bias_width else jax.device_put(LogitBias(z(b, bias_width),
-                                                                    np.zeros((b, bias_width), np.float32)))
-        targets = jax.device_put(z(b, t)) if prompt else None
-        mask = jax.device_put(z(b, self.K1, -(-self.runner.vocab_size // 32))) if token_mask else None
-        return (abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(inputs),
-                logprobs, abstract(bias), abstract(targets), abstract(mask))
+            np.zeros((b, 2), np.uint32), *key.sampling)
+        width = key.logit_bias_width
+        bias = LogitBias(z(b, width), np.zeros((b, width), np.float32)) if width else None
+        mask = z(b, self.K1, -(-v // 32)) if key.grammar else None
+        self._samplers.compile(key, (out["logits"], out["draft_logits"], *abstract(
+            self._on_last_stage((inputs, bias, mask))), key.logprobs))
+
+    def _on_last_stage(self, tree):
+        """Where a step's logits are (a pipeline's last stage, else the default device): the samplers' inputs."""
+        return jax.device_put(tree, self._placement)
 
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
@@ -483,32 +603,16 @@ class Engine:
             if self.cfg.debug:
                 self._check_writes(ticket)
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
-            sampling_inputs = self._sampling_inputs(ticket)
-            logprobs = any(self.requests[r.request_id].params.logprobs is not None for r in ticket.rows if r.samples)
-            bias, targets = self._logit_bias(ticket), self._prompt_targets(ticket)
-            token_mask = self._token_masks(ticket)
-            shape = (ticket.batch_size, ticket.num_tokens, batch.page_table_width,
-                     None if sampling_inputs is None else sampling_inputs.masks, logprobs,
-                     0 if bias is None else bias.ids.shape[1], targets is not None, token_mask is not None,
-                     self._store_key)
-            if self._ahead.wait(shape):
-                log.info("waited for the background compile of the engine step for %s", _describe_shape(shape))
-            new_shape = shape not in self._steps
-            if new_shape:
-                log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
-                         _describe_shape(shape))
-                t0 = time.perf_counter()
-            store, out = self._steps.call(shape, (self.runner.params, self.ledger.store, batch, sampling_inputs,
-                                                  logprobs, bias, targets, token_mask))
-            if new_shape:
-                self.counters["compiles"] += 1
-                log.info("engine step for %s compiled and launched in %.1f s", _describe_shape(shape),
-                         time.perf_counter() - t0)
+            targets = self._prompt_targets(ticket)
+            key = StepKey(ticket.batch_size, ticket.num_tokens, batch.page_table_width, targets is not None,
+                          self._store_key)
+            store, out = self._launch_model_step(key, (self.runner.params, self.ledger.store, batch, targets))
             self.ledger.store = store
+            out |= self._choose_tokens(ticket, out)
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
-            if self.cfg.compile_ahead and token_mask is None:
-                self._compile_next_width(shape, batch, sampling_inputs, bias, targets)
+            if self.cfg.compile_ahead:
+                self._compile_next_width(key, batch, targets)
         elif self.pending:
             self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
             self.counters["bubbles"] += 1
@@ -525,20 +629,49 @@ class Engine:
         self.ledger.flush()
         return updated
 
-    def _compile_next_width(self, shape: tuple, batch: PackedBatch, sampling_inputs, bias, targets):
-        """After a decode step at page-table width W: have the same step at width 2W compiled in the background
-        (once per shape), so that it is ready when a row's context outgrows W."""
-        b, t, width, *rest = shape
-        logprobs = rest[1]
-        if t > self._decode_tokens or width >= self.max_pages_per_row:
-            return
-        wider = min(2 * width, self.max_pages_per_row)
-        key = (b, t, wider, *rest)
+    def _launch_model_step(self, key: StepKey, args: tuple):
+        """Run the model step of `key` (a new key compiles first: logged, about a minute at the real size)."""
+        if self._ahead.wait(key):
+            log.info("waited for the background compile of the engine step for %s", key.describe())
+        new = key not in self._steps
+        if new:
+            log.debug("new model step key: %s", key.components())
+            log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
+                     key.describe())
+            t0 = time.perf_counter()
+        store, out = self._steps.call(key, args)
+        if new:
+            self.counters["compiles"] += 1
+            log.info("engine step for %s compiled and launched in %.1f s", key.describe(), time.perf_counter() - t0)
+        return store, dict(out)
 
-        def args():  # as the engine calls it: no grammar masks (steps with masks are not compiled ahead)
-            return (abstract(self.runner.params), abstract(self.ledger.store), batch.abstract_at_width(wider),
-                    abstract(sampling_inputs), logprobs, abstract(bias), abstract(targets), None)
-        if self._ahead.request(key, args, _describe_shape(key)):
+    def _choose_tokens(self, t: StepTicket, out: dict) -> dict:
+        """The sampler's outputs for the step's rows (device samples, logprobs, biased or masked argmax; empty when
+        every token-choosing row is greedy without them: those commit from the model step's argmax)."""
+        params = [self.requests[r.request_id].params for r in t.rows if r.samples]
+        # (the grammar masks also set each constrained row's step mask, which the host samples under)
+        inputs, bias, mask = self._sampling_inputs(t), self._logit_bias(t), self._token_masks(t)
+        key = SamplerKey(t.batch_size, None if inputs is None else inputs.masks, self._device_logprobs(params),
+                         0 if bias is None else bias.ids.shape[1], mask is not None)
+        if not key.needed:
+            return {}
+        if key not in self._samplers:
+            log.debug("new sampler key: %s", key.components())
+            self.counters["sampler_compiles"] += 1
+        return self._samplers.call(key, (out["logits"], out["draft_logits"], inputs, bias, mask, key.logprobs))
+
+    def _compile_next_width(self, key: StepKey, batch: PackedBatch, targets):
+        """After a decode step at page-table width W: have the same model step at width 2W compiled in the
+        background (once per key), so that it is ready when a row's context outgrows W. Only the model step: a
+        sampler does not depend on the width."""
+        if key.tokens > self._decode_tokens or key.page_table_width >= self.max_pages_per_row:
+            return
+        wider = key._replace(page_table_width=min(2 * key.page_table_width, self.max_pages_per_row))
+
+        def args():  # as the engine calls it
+            return (abstract(self.runner.params), abstract(self.ledger.store),
+                    batch.abstract_at_width(wider.page_table_width), abstract(targets))
+        if self._ahead.request(wider, args, wider.describe()):
             self.counters["compiles_ahead"] += 1
 
     def _make_ticket(self, plans: list[RowPlan]) -> StepTicket:
@@ -605,7 +738,7 @@ class Engine:
                 rows[r.row] = (req.params, len(req.output))
         if not any(rows):
             return None
-        return jax.device_put(SamplingInputs.for_rows(rows, t.batch_size))
+        return self._on_last_stage(SamplingInputs.for_rows(rows, t.batch_size))
 
     def _logit_bias(self, t: StepTicket) -> LogitBias | None:
         """The logit_bias of the rows that choose a token this step (None when none has one)."""
@@ -614,7 +747,7 @@ class Engine:
             if r.samples:
                 biases[r.row] = self.requests[r.request_id].params.logit_bias
         bias = LogitBias.for_rows(biases, t.batch_size)
-        return None if bias is None else jax.device_put(bias)
+        return None if bias is None else self._on_last_stage(bias)
 
     def _prompt_targets(self, t: StepTicket) -> jax.Array | None:
         """[B, T] the prompt token after each row position of the requests that ask for prompt logprobs (-1 where
@@ -630,8 +763,9 @@ class Engine:
     def _token_masks(self, t: StepTicket):
         """The grammar masks of this step's constrained rows that choose tokens: [B, K1, words] int32 on the device
         (column of the row's last known token, then one per draft), or None when no such row (no mask code then).
-        Computed on the host before the launch; a request has at most one step in flight, so its matcher holds its
-        committed output here (docs/structured-output.md: where this could overlap the device)."""
+        Computed on the host after the model step's launch (it needs them only in the sampler); a request has at most
+        one step in flight, so its matcher holds its committed output here (docs/structured-output.md: where this
+        could overlap the device more)."""
         rows = []
         for r in t.rows:
             state = self.grammars.get(r.request_id)
@@ -643,7 +777,7 @@ class Engine:
         if not rows:
             return None
         mask = self.grammar_compiler.fill_masks(rows, t.batch_size * self.K1)
-        return jax.device_put(mask.reshape(t.batch_size, self.K1, -1))
+        return self._on_last_stage(mask.reshape(t.batch_size, self.K1, -1))
 
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""

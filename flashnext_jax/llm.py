@@ -91,7 +91,7 @@ class LLM:
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
         a progress bar (Engine.precompile), prefill chunks cut to a few buckets (EngineConfig.prefill_buckets,
         "auto" unless given) so that no request compiles a step; precompile_sampling: sampling parameters
-        expected in traffic, whose device-sampling variants are compiled too. pipeline_parallel_size /
+        expected in traffic, whose samplers are compiled too. pipeline_parallel_size /
         pp_layer_partition: pipeline stages, each on its own device (docs/pipeline.md). engine_kwargs: further
         EngineConfig fields."""
         k = 0

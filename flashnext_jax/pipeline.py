@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from .engine import PackedBatch, with_device_sampling
+from .engine import PackedBatch, model_step
 from .stages import StagePlan
 
 
@@ -46,9 +46,8 @@ class PipelineRunner:
         self._jits = []
         for st in plan.stages:
             fn = _StageFn(runner, st.layers)
-            if st.index == plan.size - 1:
-                step = with_device_sampling(fn, getattr(runner, "logits", None))
-                self._jits.append(jax.jit(step, donate_argnums=(1,), static_argnums=(4,)))
+            if st.index == plan.size - 1:  # the engine's sampler runs after it, on the same devices
+                self._jits.append(jax.jit(model_step(fn, getattr(runner, "logits", None)), donate_argnums=(1,)))
             else:
                 self._jits.append(jax.jit(fn, donate_argnums=(1,)))
 
@@ -65,17 +64,16 @@ class PipelineRunner:
             self._steps = PipelineSteps(self)
         return self._steps
 
-    def pipeline_step(self, params, stores, batch, sampling_inputs=None, logprobs=False, logit_bias=None,
-                      prompt_targets=None, token_mask=None):
-        """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs)."""
+    def pipeline_step(self, params, stores, batch, prompt_targets=None):
+        """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs:
+        engine.model_step's)."""
         x, new, last = None, [], self.plan.size - 1
         for st, p, store, fn in zip(self.plan.stages, params, stores, self._jits, strict=True):
             names = self.base.stage_host_inputs(st.layers)
             b = jax.device_put(dataclasses.replace(batch, host={n: batch.host[n] for n in names}), st.sharding)
             if st.index == last:
-                si, lb, pt, tm = (None if a is None else jax.device_put(a, st.sharding)
-                                  for a in (sampling_inputs, logit_bias, prompt_targets, token_mask))
-                store, out = fn(p, store, b, si, logprobs, lb, pt, tm, x)
+                pt = None if prompt_targets is None else jax.device_put(prompt_targets, st.sharding)
+                store, out = fn(p, store, b, pt, x)
             else:
                 store, x = fn(p, store, b, x)
                 if self.timeline is not None:
@@ -108,9 +106,10 @@ class _StageFn:
 
 
 class PipelineSteps:
-    """The engine's StepCache interface (step_cache.py) over a PipelineRunner. Each stage's own `jax.jit` compiles
-    a shape on its first call and keeps its executables, so `compile` (startup precompile, compile ahead) does
-    nothing yet and the LRU bound does not apply to pipelines (docs/pipeline.md, "Not yet")."""
+    """The engine's StepCache interface (step_cache.py) for its model steps over a PipelineRunner (its samplers are
+    the engine's own StepCache, on the last stage's devices). Each stage's own `jax.jit` compiles a shape on its
+    first call and keeps its executables, so `compile` (startup precompile, compile ahead) does nothing yet and the
+    LRU bound does not apply to pipelines (docs/pipeline.md, "Not yet")."""
 
     def __init__(self, runner: "PipelineRunner"):
         self.runner, self.limit = runner, 0

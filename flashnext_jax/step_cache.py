@@ -1,4 +1,5 @@
-"""The engine step's compiled executables, one per step shape, at most `limit` of them (least recently used out).
+"""The engine's compiled programs (model steps, samplers), one per key, at most `limit` of them (least recently
+used out).
 
 Why: every compiled executable keeps its code mapped in the process (about 1,000 memory mappings each for the
 demo model on the CPU); a server that compiled ~60 shapes ran out of vm.max_map_count and died (issue 18). A
@@ -36,11 +37,15 @@ def memory_summary(compiled) -> str:
 
 
 class StepCache:
-    """Compiled steps of `run` by shape key. `run(params, store, batch, sampling_inputs, logprobs, logit_bias,
-    prompt_targets)`: the store (argument 1) is donated, logprobs (argument 4) is static."""
+    """Compiled programs of `run` by key: the engine's model steps (`run(params, store, batch, prompt_targets)`,
+    the store, argument 1, donated) and its samplers (engine.choose_tokens: nothing donated, its logprobs flag
+    static). `name`: the jitted function's name, as the backend's live executables show it; `log_level`: of the
+    line each compile logs (a sampler is a small program that compiles often: debug)."""
 
-    def __init__(self, run: Callable, limit: int):
-        self._run = run
+    def __init__(self, run: Callable, limit: int, donate_argnums: tuple[int, ...] = (1,),
+                 static_argnums: tuple[int, ...] = (), name: str = "run", log_level: int = logging.INFO):
+        self._run, self._donate, self._static, self._name = run, donate_argnums, static_argnums, name
+        self._log_level = log_level
         self.limit = limit
         self._lru: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -59,7 +64,7 @@ class StepCache:
             return list(self._lru)
 
     def compile(self, key: Hashable, args: tuple) -> Any:
-        """Compile the step for `args` (arrays or their abstract types) under `key`, unless it is cached."""
+        """Compile the program for `args` (arrays or their abstract types) under `key`, unless it is cached."""
         with self._lock:
             hit = self._lru.get(key)
         if hit is not None:
@@ -67,10 +72,12 @@ class StepCache:
         def run(*a):  # a new function per shape: the jit below and its caches die with the cache entry
             return self._run(*a)
 
-        jitted = jax.jit(run, donate_argnums=(1,), static_argnums=(4,))
+        run.__name__ = run.__qualname__ = self._name
+        jitted = jax.jit(run, donate_argnums=self._donate, static_argnums=self._static)
         t0 = time.perf_counter()
         compiled = jitted.lower(*args).compile()
-        log.info("compiled an engine step in %.1f s: %s", time.perf_counter() - t0, memory_summary(compiled))
+        log.log(self._log_level, "compiled %s in %.1f s: %s", self._name, time.perf_counter() - t0,
+                memory_summary(compiled))
         with self._lock:
             self._lru[key] = compiled
             self.counters["compiled"] += 1
@@ -93,11 +100,11 @@ class StepCache:
         while len(self._lru) > max(self.limit, 1):
             key, _ = self._lru.popitem(last=False)
             self.counters["evicted"] += 1
-            log.info("dropped a compiled engine step (the least recently used of %d kept): %s", self.limit,
+            log.info("dropped a compiled %s (the least recently used of %d kept): %s", self._name, self.limit,
                      str(key)[:200])
 
     def call(self, key: Hashable, args: tuple) -> Any:
-        """Run the step of `key` (compiling it first if it is not cached). The compiled executable takes the
-        arguments but the static one."""
+        """Run the program of `key` (compiling it first if it is not cached). The compiled executable takes the
+        arguments but the static ones."""
         compiled = self.get(key) or self.compile(key, args)
-        return compiled(*args[:4], *args[5:])
+        return compiled(*(a for i, a in enumerate(args) if i not in self._static))

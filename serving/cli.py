@@ -128,8 +128,8 @@ def generation_defaults(option: str, model_dir: Path) -> dict:
 
 
 def default_sampling(defaults: dict):
-    """The sampling a request gets from the generation defaults alone: its device-sampling variant is compiled at
-    startup next to the greedy steps (--precompile), since most requests of such a server sample with it."""
+    """The sampling a request gets from the generation defaults alone: its sampler is compiled at startup next to
+    the model steps (--precompile), since most requests of such a server sample with it."""
     from flashnext_jax.sampling import SamplingParams
 
     return SamplingParams(**{k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p",

@@ -58,13 +58,17 @@ class _EngineGauges:
         yield gauge("flashnext:pages_used", "KV-cache pages in use", use["pages_used"])
         yield gauge("flashnext:pages_total", "KV-cache pages", use["pages"])
         yield gauge("flashnext:prefix_snapshots", "Prefix-cache snapshots held", use["snapshots"])
-        # each compiled step program holds an executable (~1,000 memory maps at the real size): the soak test reads it
-        steps = engine._steps  # the engine's StepCache (LRU of compiled step programs)
-        yield gauge("flashnext:step_compilations", "Engine step programs compiled so far",
-                    steps.counters["compiled"])
-        yield gauge("flashnext:compiled_steps_cached", "Compiled engine step programs held (LRU-bounded)", len(steps))
-        yield gauge("flashnext:compiled_steps_evicted", "Compiled engine step programs dropped by the LRU",
+        # each compiled model step holds an executable (~1,000 memory maps at the real size): the soak test reads it
+        steps, samplers = engine._steps, engine._samplers  # the engine's StepCaches (LRUs of compiled programs)
+        yield gauge("flashnext:step_compilations", "Engine model steps compiled so far", steps.counters["compiled"])
+        yield gauge("flashnext:compiled_steps_cached", "Compiled engine model steps held (LRU-bounded)", len(steps))
+        yield gauge("flashnext:compiled_steps_evicted", "Compiled engine model steps dropped by the LRU",
                     steps.counters["evicted"])
+        yield gauge("flashnext:sampler_compilations", "Engine samplers (device sampling, logprobs, logit bias, "
+                    "grammar masks after a model step) compiled so far", samplers.counters["compiled"])
+        yield gauge("flashnext:compiled_samplers_cached", "Compiled engine samplers held (LRU-bounded)", len(samplers))
+        yield gauge("flashnext:compiled_samplers_evicted", "Compiled engine samplers dropped by the LRU",
+                    samplers.counters["evicted"])
         yield gauge("flashnext:xla_compilations", "XLA executables this process built or loaded from the cache "
                     "(step programs and every other jitted function)", _xla["finished"])
         yield gauge("flashnext:xla_compilations_in_progress", "XLA compilations under way (counted while the "

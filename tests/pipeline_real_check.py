@@ -57,6 +57,13 @@ def run(model, pp):
         lm.engine.step()
     out["again"] = lm.engine.requests[lm2_ids].output
     out["prefix_hits"] = lm.engine.ledger.stats["prefix_hits"]
+    # logprobs and a logit bias: the engine's sampler after the model step, on the last stage's devices
+    biased = fj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, logit_bias={5: 3.0})
+    req = lm.engine.requests[lm._add(PROMPTS[1], biased, "biased").request_id]
+    while lm.engine.has_unfinished():
+        lm.engine.step()
+    out["sampled"] = {"tokens": req.output, "top": [[i for i, _ in lp.top] for lp in req.logprobs],
+                      "samplers": len(lm.engine._samplers)}
     return out, logits
 
 

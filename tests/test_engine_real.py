@@ -295,7 +295,9 @@ def _log_softmax(x):
     return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
 
 
-@pytest.mark.parametrize("k,budget", [(0, 64), (0, 8), (1, 64), (1, 6)])
+# the default run keeps one budget that binds and one that does not; the other two pairings are slow
+@pytest.mark.parametrize("k,budget", [(0, 64), pytest.param(0, 8, marks=pytest.mark.slow),
+                                      pytest.param(1, 64, marks=pytest.mark.slow), (1, 6)])
 def test_prompt_logprobs_equal_model_logits(k, budget):
     """prompt_logprobs of the real model behind the engine, one-shot (budget 64) and in chunks of 8 / 6 tokens,
     without and with MTP: each prompt token's logprob and the top-3 equal the log-softmax of Model.logits of the
@@ -316,7 +318,7 @@ def test_prompt_logprobs_equal_model_logits(k, budget):
         np.testing.assert_allclose([v for _, v in got[pos].top], ref[pos - 1, top], atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1])  # k = 1 biases the drafts too
 def test_logit_bias_greedy_equals_biased_model_logits(k):
     """Greedy decoding with a logit_bias equals the argmax of Model.logits + the bias, token by token (with MTP:
     greedy verification of drafts against the biased target)."""

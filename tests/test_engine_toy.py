@@ -181,7 +181,7 @@ def test_greedy_mtp_equals_no_mtp_and_solo():
 
 
 def test_greedy_rows_never_copy_logits_to_the_host(monkeypatch):
-    """Greedy rows without penalties commit from the device's argmax (engine.with_device_sampling); rows that sample
+    """Greedy rows without penalties commit from the device's argmax (engine.model_step); rows that sample
     or apply penalties still read the full logits."""
     from flashnext_jax import engine as engine_module
 

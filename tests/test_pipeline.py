@@ -32,6 +32,8 @@ def test_pipeline_greedy_tokens_equal_one_stage(report, pp):
     assert report["devices"] == 3
     assert report["results"][pp]["tokens"] == report["results"]["1"]["tokens"] == report["solo"]
     assert report["results"][pp]["again"] == report["results"]["1"]["again"]
+    assert report["results"][pp]["sampled"] == report["results"]["1"]["sampled"]  # the sampler on the last stage
+    assert report["results"][pp]["sampled"]["samplers"] >= 1
 
 
 @pytest.mark.parametrize("pp", ["2", "3"])

@@ -1,8 +1,8 @@
 """What `precompile` covers (issue 14 item 4, issue 18 item 1). Prefill buckets: chunks are cut to a few token
 counts that `precompile` compiles, so a prompt of any length compiles nothing in its request (without them, a
 prompt's shorter last chunk has a power-of-two bucket of its own: the H200 run's 4K prompt compiled for 91 s), and
-the tokens stay the model's own. Sampling: the device-sampling variant of the parameters a server expects (its
-generation defaults) is compiled too."""
+the tokens stay the model's own. Sampling: the sampler of the parameters a server expects (its generation
+defaults) is compiled too."""
 
 import pytest
 
@@ -74,12 +74,14 @@ def test_bucket_config(model):
 
 
 def test_precompiled_sampling_variant(model):
+    """The sampling variant of a server's defaults: precompile compiles its sampler at every row bucket (the model
+    steps are the greedy ones: sampling does not change them)."""
     eng = _engine(model, max_num_seqs=1, prefill_buckets=(4, 16))
     expected = default_sampling({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 99})
     assert (expected.temperature, expected.top_p, expected.top_k) == (0.7, 0.8, 20)
-    assert len(eng.startup_shapes([expected])) == 2 * len(eng.startup_shapes())
+    assert [k.sampling for k in eng.startup_samplers([expected])] == [("cap", True)]  # one row bucket
     eng.precompile(progress=False, sampling_params=[expected])
-    compiled = eng._steps.counters["compiled"]
+    compiled = eng._steps.counters["compiled"], eng._samplers.counters["compiled"]
 
     def run(params):
         eng.add_request(str(eng.step_id), [(3 * i + 2) % 200 + 1 for i in range(21)], params)
@@ -87,6 +89,7 @@ def test_precompiled_sampling_variant(model):
             eng.step()
     run(SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=5, ignore_eos=True, seed=1))
     run(SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    assert eng._steps.counters["compiled"] == compiled
-    run(SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True, seed=1))  # no top-k / top-p: a variant
-    assert eng._steps.counters["compiled"] > compiled  # of its own (device_sampling.mask_modes)
+    assert (eng._steps.counters["compiled"], eng._samplers.counters["compiled"]) == compiled
+    run(SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True, seed=1))  # no top-k / top-p: a sampler
+    # of its own (device_sampling.mask_modes), and no model step
+    assert eng._steps.counters["compiled"] == compiled[0] and eng._samplers.counters["compiled"] > compiled[1]

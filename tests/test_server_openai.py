@@ -78,7 +78,8 @@ def test_metrics_use_vllm_names_and_count_tokens(base, client):
                  "vllm:prefix_cache_hits_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "flashnext:slots_used", "flashnext:pages_used",
                  "flashnext:slots_total", "flashnext:pages_total", "flashnext:step_compilations",
-                 "flashnext:compiled_steps_cached", "flashnext:xla_compilations"):
+                 "flashnext:compiled_steps_cached", "flashnext:sampler_compilations",
+                 "flashnext:compiled_samplers_cached", "flashnext:xla_compilations"):
         assert name in after, name
     assert after["vllm:e2e_request_latency_seconds_count"] > before.get("vllm:e2e_request_latency_seconds_count", 0)
     assert after["flashnext:slots_used"] == 0 and after["flashnext:pages_total"] > 0

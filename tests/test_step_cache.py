@@ -45,15 +45,15 @@ def test_more_shapes_than_the_limit_keep_the_live_executables_bounded():
 def test_a_dropped_executable_is_released():
     calls = []
 
-    def run(params, store, batch, sampling_inputs, logprobs, bias, targets):
-        calls.append(logprobs)
+    def run(params, store, batch, targets):
+        calls.append(targets)
         return store, {"y": batch * 2.0}
 
     cache = StepCache(run, 1)
     x = jax.numpy.ones(3)
     before = _live()
     for n in (3, 4, 5):
-        args = (None, jax.numpy.zeros(1), jax.numpy.ones(n), None, False, None, None)
+        args = (None, jax.numpy.zeros(1), jax.numpy.ones(n), None)
         _, out = cache.call(("k", n), args)
         assert out["y"].shape == (n,) and float(out["y"][0]) == 2.0
     del out, args
@@ -92,3 +92,27 @@ def test_precompiled_decode_shapes_compile_nothing_while_decoding():
     decode_steps = [(k, hit) for k, hit in launched if k in decode]
     assert len(decode_steps) > 20 and all(hit for _, hit in decode_steps)
     assert len({k for k, _ in decode_steps}) > 2  # several widths and row counts
+
+
+def _live_samplers() -> int:
+    gc.collect()
+    return sum(e.hlo_modules()[0].name == "jit_choose_tokens"
+               for e in jax.extend.backend.get_backend().live_executables())
+
+
+def test_compiled_samplers_are_bounded_too():
+    """The samplers (engine.choose_tokens) have an LRU of their own (EngineConfig.max_compiled_samplers)."""
+    runner = ToyRunner(CFG, 1)
+    eng = Engine(runner, EngineConfig(max_num_seqs=1, max_model_len=64, page_size=4, compile_ahead=False,
+                                      max_compiled_samplers=2))
+    before = _live_samplers()
+    variants = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
+                SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True),
+                SamplingParams(temperature=0.8, top_k=3, seed=1, max_tokens=3, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={5: 1.0})]
+    for i, params in enumerate(variants):
+        eng.add_request(f"r{i}", [3, 1, 4], params)
+        while eng.has_unfinished():
+            eng.step()
+        assert len(eng._samplers) <= 2 and _live_samplers() - before <= 2
+    assert eng._samplers.counters["compiled"] == 4 and eng._samplers.counters["evicted"] == 2
