@@ -6,6 +6,7 @@
 #   bash bench/h200_long_context_checks.sh probes    # call 2
 #   bash bench/h200_long_context_checks.sh memcheck  # the default pool sizing, one 8K step (~4 min)
 #   bash bench/h200_long_context_checks.sh profile   # default pool sizing; 32K twice, then a profiled 32K prefill
+#   bash bench/h200_long_context_checks.sh decode-profile  # decode steps by model scope at 4K and 128K (4K chunks)
 # (carry .carry: llguidance + tqdm for python 3.12, see below)
 # .carry/pylib holds copies of the CPU venv's llguidance (abi3 wheel contents, with its dist-info) and tqdm:
 #   mkdir -p .carry/pylib && cp -r .venv/lib/python3.*/site-packages/{llguidance,llguidance-*.dist-info,tqdm,tqdm-*.dist-info} .carry/pylib/
@@ -58,6 +59,14 @@ elif [ "${1:-}" = profile ]; then
   timeout 90 python3 tools/donation_probe.py --leaf-gib 8 > "$OUT/donation_pallas.log" 2>&1
   grep -h "H200\|distinct\|step [0-9]\|Error" "$OUT"/donation_pallas.log
   grep -v "compiling engine steps:" "$OUT/profile.log" | grep -v "^W1" | cut -c1-300 | tail -n 60
+elif [ "${1:-}" = decode-profile ]; then
+  # why decode at 128K costs 1.42x decode at 4K (target 1.25): a decode step's GPU time by model scope at both
+  # lengths; 4K chunks so that both prompts need one prefill shape (compiled in the first request, no precompile)
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=jit_run --xla_dump_hlo_as_text" \
+  timeout "${REPORT_TIMEOUT:-540}" python3 bench/long_context.py --experts 512 --lengths 4096,131072 --chunk 4096 \
+      --decode-steps 16 --twice-up-to 0 --no-precompile --profile-decode --hlo-dump /tmp/hlo \
+      --out "$OUT/long_context_decode_profile.json" ${REPORT_ARGS:-} > "$OUT/decode_profile.log" 2>&1
+  grep -v "compiling engine steps:" "$OUT/decode_profile.log" | grep -v "^W1" | cut -c1-300 | tail -n 80
 else
-  echo "usage: bash bench/h200_long_context_checks.sh report|probes|memcheck|profile" >&2; exit 2
+  echo "usage: bash bench/h200_long_context_checks.sh report|probes|memcheck|profile|decode-profile" >&2; exit 2
 fi

@@ -7,7 +7,8 @@ at this size). Per prompt length: a first request (its TTFT, and how many XLA co
 second request of the same length (TTFT, then `--decode-steps` decode steps timed one by one: median ms/step) and
 the device's peak memory. With `--profile-length N` a third request of N tokens runs its prefill under the
 profiler: GPU time by model scope (bench/device_profile.py; give `XLA_FLAGS=--xla_dump_to=DIR` and `--hlo-dump DIR`
-for the scopes). Writes bench/results/long_context.json (or $OUT/...) with the issue's `summary` keys.
+for the scopes); `--profile-decode` does the same for the decode steps of one more request per length. Writes
+bench/results/long_context.json (or $OUT/...) with the issue's `summary` keys.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/long_context.py      # one H200
   LONG_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/long_context.py --out /tmp/lc.json  # CPU check
@@ -16,6 +17,7 @@ for the scopes). Writes bench/results/long_context.json (or $OUT/...) with the i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -49,23 +51,28 @@ def peak_gb():
     return stats.get("peak_bytes_in_use", 0) / 1e9 or None
 
 
-def one_request(lm, prompt, decode_steps: int) -> dict:
-    """Step the engine for one request: TTFT (add -> first token), compiles inside it, decode step times."""
+def one_request(lm, prompt, decode_steps: int, profile_decode: bool = False) -> dict:
+    """Step the engine for one request: TTFT (add -> first token), compiles inside it, decode step times.
+    profile_decode: the decode steps after the first two run under the profiler ("trace", "profiled_steps")."""
     n_compiles = len(_COMPILES)
     t0 = time.perf_counter()
     req = lm._add(prompt, SamplingParams(max_tokens=1 + decode_steps, temperature=0.0, ignore_eos=True))
-    ttft, steps = None, []
-    while not req.finished:
-        ts = time.perf_counter()
-        lm.engine.step()
-        if ttft is None and req.output:
-            ttft = time.perf_counter() - t0
-            first_compiles = len(_COMPILES) - n_compiles
-            first_compile_s = sum(_COMPILES[n_compiles:])
-        elif ttft is not None:
-            steps.append(time.perf_counter() - ts)
+    ttft, steps, trace = None, [], None
+    with contextlib.ExitStack() as profiling:
+        while not req.finished:
+            if profile_decode and trace is None and len(steps) == 2:
+                trace = profiling.enter_context(device_profile.capture())
+            ts = time.perf_counter()
+            lm.engine.step()
+            if ttft is None and req.output:
+                ttft = time.perf_counter() - t0
+                first_compiles = len(_COMPILES) - n_compiles
+                first_compile_s = sum(_COMPILES[n_compiles:])
+            elif ttft is not None:
+                steps.append(time.perf_counter() - ts)
     return dict(ttft_s=ttft, compiles_before_first_token=first_compiles, compile_s_before_first_token=first_compile_s,
-                decode_ms=statistics.median(steps) * 1e3 if steps else None, decode_steps=len(steps))
+                decode_ms=statistics.median(steps) * 1e3 if steps else None, decode_steps=len(steps),
+                trace=trace, profiled_steps=max(len(steps) - 2, 0) if trace else 0)
 
 
 def main():
@@ -85,6 +92,9 @@ def main():
                     help="compile in the requests instead of at startup (a quick memory check of the default pool)")
     ap.add_argument("--profile-length", type=int, default=None,
                     help="profile the prefill of one more request of this many tokens (must be one of --lengths)")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="per length, one more request whose decode steps (after two) run under the profiler: "
+                         "GPU time per decode step by model scope")
     ap.add_argument("--hlo-dump", default=None, help="the --xla_dump_to directory (maps kernels to model scopes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -149,9 +159,19 @@ def main():
                 row["profile"] = device_profile.summarize(trace.xspace, args.hlo_dump)
                 row["profile"]["ttft_s_under_profiler"] = profiled["ttft_s"]
                 device_profile.print_summary(row["profile"], f"prefill of {n} tokens")
+            if args.profile_decode:
+                profiled = one_request(lm, rng.integers(0, cfg.vocab_size, n).tolist(), decode, profile_decode=True)
+                steps = max(profiled["profiled_steps"], 1)
+                prof = device_profile.summarize(profiled["trace"].xspace, args.hlo_dump)
+                row["decode_profile"] = dict(
+                    steps=profiled["profiled_steps"], decode_ms_under_profiler=profiled["decode_ms"],
+                    ms_per_step=prof["total_ms"] / steps,
+                    by_scope_ms_per_step={k: v / steps for k, v in prof["by_scope"].items()},
+                    top_kernels=[k | {"ms_per_step": k["ms"] / steps} for k in prof["top_kernels"]])
+                device_profile.print_summary(prof, f"{profiled['profiled_steps']} decode steps at {n} tokens")
         except Exception as e:  # noqa: BLE001  (an OOM at one length must not hide the others)
             row["error"] = repr(e)[:400]
-        print({k: v for k, v in row.items() if k != "profile"}, flush=True)
+        print({k: v for k, v in row.items() if k not in ("profile", "decode_profile")}, flush=True)
         rows.append(row)
         save()
 

@@ -31,15 +31,26 @@ from bench.results_io import save_result
 from pallas_kernels.moe_matmul import MoEConfig, routed_experts_pallas, routed_experts_reference
 
 SMOKE = bool(os.environ.get("MOE_BENCH_SMOKE"))
-CONFIGS = [MoEConfig(), MoEConfig(bm=32), MoEConfig(bm=64), MoEConfig(bm=128),
-           MoEConfig(bm=64, num_warps=8), MoEConfig(bm=128, num_warps=8), MoEConfig(bm=64, bn_gate_up=64, bn_down=64),
-           MoEConfig(bm=64, num_stages=4), MoEConfig(bm=128, bn_gate_up=64, bn_down=64, num_warps=8)]
+# stop 28's sweep (bench/results/moe_prefill.json): 64-row tiles won; gate/up was fastest at 64 columns, down at 128
+SWEEP_STOP28 = [MoEConfig(), MoEConfig(bm=32), MoEConfig(bm=64), MoEConfig(bm=128),
+                MoEConfig(bm=64, num_warps=8), MoEConfig(bm=128, num_warps=8),
+                MoEConfig(bm=64, bn_gate_up=64, bn_down=64), MoEConfig(bm=64, num_stages=4),
+                MoEConfig(bm=128, bn_gate_up=64, bn_down=64, num_warps=8)]
+# around the 64-row tiles: each kernel's own column width, warps and pipeline stages (the breakdown per kernel,
+# "kernels_us", tells the gate/up kernel's best from the down kernel's, as both share warps and stages here)
+SWEEP_TILES64 = [MoEConfig(), MoEConfig(bm=64, bn_gate_up=64, bn_down=64), MoEConfig(bm=64, bn_gate_up=64),
+                 MoEConfig(bm=64, bn_gate_up=32), MoEConfig(bm=64, bn_gate_up=32, num_warps=2),
+                 MoEConfig(bm=64, bn_gate_up=64, num_stages=2), MoEConfig(bm=64, bn_gate_up=32, num_stages=4),
+                 MoEConfig(bm=64, bn_gate_up=64, num_warps=8), MoEConfig(bm=32, bn_gate_up=64),
+                 MoEConfig(bm=128, bn_gate_up=32, bn_down=64, num_warps=8), MoEConfig(bm=64, bn_gate_up=16)]
+SWEEPS = {"stop28": SWEEP_STOP28, "tiles64": SWEEP_TILES64}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="16,64" if SMOKE else "2048,8192")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="tiles64")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     e, h, inter, k, bits, g = (16, 256, 128, 4, 4, 128) if SMOKE else (512, 2560, 640, 10, 4, 128)
@@ -53,7 +64,7 @@ def main():
         x = jax.random.normal(jax.random.fold_in(key, 3), (m, h), jnp.float32).astype(jnp.bfloat16)
         want = np.asarray(jax.jit(routed_experts_reference)(x[:checked], ids[:checked], wts[:checked], wgu, wd),
                           np.float32)
-        for cfg in CONFIGS if not SMOKE else CONFIGS[:3]:
+        for cfg in SWEEPS[args.sweep] if not SMOKE else SWEEPS[args.sweep][:3]:
             row = dict(M=m, config=dataclasses.asdict(cfg))
             try:
                 fn = jax.jit(lambda x, i, w, a, b, cfg=cfg: routed_experts_pallas(x, i, w, a, b, config=cfg,
@@ -80,14 +91,19 @@ def main():
         summary[f"M{m}_bm16_us"] = default and default["us"]
         summary[f"M{m}_best_us"] = best and best["us"]
         summary[f"M{m}_best_config"] = best and best["config"]
+        for kernel in ("moe_gate_up_w4", "moe_down_w4"):  # each kernel's own best (they share warps and stages)
+            timed = [r for r in at if kernel in r.get("kernels_us", {})]
+            fastest = min(timed, key=lambda r: r["kernels_us"][kernel]) if timed else None
+            summary[f"M{m}_best_{kernel}_us"] = fastest and fastest["kernels_us"][kernel]
+            summary[f"M{m}_best_{kernel}_config"] = fastest and fastest["config"]
     summary |= dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
-    path = save_result("moe_prefill.json", rows, args.out, summary=summary, smoke=SMOKE)
-    print(f"wrote {path}\n{'M':>5} {'bm':>4} {'bn':>4} {'warps':>5} {'stages':>6} {'us':>10} {'rel err':>8}")
+    path = save_result("moe_prefill.json", rows, args.out, summary=summary, smoke=SMOKE, sweep=args.sweep)
+    print(f"wrote {path}\n{'M':>5} {'bm':>4} {'bn':>4} {'bn dn':>5} {'warps':>5} {'stages':>6} {'us':>10} {'rel err':>8}")
     for r in rows:
         c = r["config"]
         res = f"{r['us']:10.1f} {r['rel_err']:8.1e}" if "us" in r else r.get("error", "")[:60]
-        print(f"{r['M']:5d} {c['bm']:4d} {c['bn_gate_up']:4d} {c['num_warps']:5d} {c['num_stages']:6d} {res}")
+        print(f"{r['M']:5d} {c['bm']:4d} {c['bn_gate_up']:4d} {c['bn_down']:5d} {c['num_warps']:5d} {c['num_stages']:6d} {res}")
 
 
 if __name__ == "__main__":
