@@ -67,12 +67,14 @@ class RandomPleRunner(RealRunner):
 def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16,
               sampling: dict | None = None) -> dict:
     sampling = sampling or {"temperature": 0.0}
+    max_len = prompt_len + new_tokens + 16
     lm = LLM(RandomPleRunner(model, 0), max_num_seqs=bsz, max_num_batched_tokens=bsz * prompt_len,
-             max_model_len=prompt_len + new_tokens + 16, page_size=page_size)  # all prompts in one prefill step
-    phases = {"build_batch": [], "dispatch": [], "device_wait": [], "commit": []}
+             max_model_len=max_len, page_size=page_size,  # all prompts in one prefill step
+             num_pages=bsz * -(-max_len // page_size) + 8)  # a pool of what the rows need: runs stay independent
+    phases = {"build_batch": [], "dispatch": [], "device_wait": [], "sampler": [], "commit": []}
     eng = lm.engine
 
-    def timed(name, fn, wait=False):  # host-time breakdown of the engine step (wall time per phase)
+    def timed(name, fn, wait=None):  # host-time breakdown of the engine step (wall time per phase)
         def run(*a):
             t0 = time.perf_counter()
             out = fn(*a)
@@ -80,12 +82,14 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
             if wait:
                 t0 = time.perf_counter()
                 jax.block_until_ready(out)
-                phases["device_wait"].append(time.perf_counter() - t0)
+                phases[wait].append(time.perf_counter() - t0)
             return out
         return run
 
     eng._build_batch = timed("build_batch", eng._build_batch)
-    eng._step = timed("dispatch", eng._step, wait=True)
+    eng._launch_model_step = timed("dispatch", eng._launch_model_step, wait="device_wait")
+    # the second program of a step (engine.choose_tokens: device sampling, logprobs, bias), launch to result
+    eng._choose_tokens = timed("sampler", eng._choose_tokens, wait="sampler")
     eng._commit = timed("commit", eng._commit)
     rng = np.random.default_rng(bsz)
     reqs = [lm._add(rng.integers(0, model.cfg.vocab_size, prompt_len).tolist(),
