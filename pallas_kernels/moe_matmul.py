@@ -270,11 +270,12 @@ def check_moe_shapes(x_shape, ids_shape, w_gate_up, w_down) -> None:
 
 def default_moe_config(m: int, k: int, num_experts: int) -> MoEConfig:
     """The tile config for m tokens of k experts each: where the experts get at least 32 routed rows on average
-    (m * k / E; prefill chunks), 64-row tiles of 64 columns, so each expert's weights are read once per 64 rows
-    instead of once per 16. H200, 512 experts (bench/results/moe_prefill.json): 8,192 tokens 6.09 ms against
-    10.04 at the default 16-row tiles, 2,048 tokens 2.21 against 2.96; 32- and 128-row tiles were slower."""
+    (m * k / E; prefill chunks), 64-row tiles, so each expert's weights are read once per 64 rows instead of once
+    per 16; the gate/up kernel in 64 columns, the down kernel in 128. H200, 512 experts: 8,192 tokens 5.73 ms
+    against 10.04 at the default 16-row tiles, 2,048 tokens 2.08 against 2.96 (bench/results/moe_prefill.json,
+    moe_prefill_tiles64.json: 32- and 128-row tiles were slower, 128 down columns beat 64 by 6%)."""
     if m * k >= 32 * num_experts:
-        return MoEConfig(bm=64, bn_gate_up=64, bn_down=64)
+        return MoEConfig(bm=64, bn_gate_up=64, bn_down=128)
     return MoEConfig()
 
 
