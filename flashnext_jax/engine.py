@@ -87,11 +87,13 @@ class PackedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class HostRow:
-    """What the host hook sees of one row: a suffix of the request's tokens before `start`, and the row tokens."""
+    """What the host hook sees of one row: a suffix of the request's tokens before `start`, the row tokens, and
+    the request's images (request_images.RequestImages; None for text), whose rows the pads it covers take."""
 
     history: tuple[int, ...]
     start: int
     tokens: tuple[int, ...]
+    images: Any = None
 
 
 class ModelRunner(Protocol):
@@ -259,15 +261,16 @@ class StepKey(NamedTuple):
     page_table_width: int  # pages per row in the step's page tables
     prompt_logprobs: bool  # every position's logits (some row asks for prompt logprobs)
     store: tuple  # the store's leaf shapes (engines of one runner with other pool sizes share the cache)
+    images: bool = False  # some row has images: 3-D positions from the slots' spans, the tower's rows as inputs
 
     def describe(self) -> str:
         """The key in words, for the log."""
         return (f"{self.rows} rows x {self.tokens} tokens, page tables of {self.page_table_width} pages"
-                + (", with prompt logprobs" if self.prompt_logprobs else ""))
+                + (", with prompt logprobs" if self.prompt_logprobs else "") + (", with images" if self.images else ""))
 
     def components(self) -> str:
         """Every component but the store, by name (the debug line of a new key)."""
-        return _components(self, self._fields[:-1])
+        return _components(self, [f for f in self._fields if f != "store"])
 
 
 class SamplerKey(NamedTuple):
@@ -547,7 +550,9 @@ class Engine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
-                    stop_checker=None) -> Request:
+                    stop_checker=None, images=None) -> Request:
+        """images: the prompt's api.ImageInput (the prompt holds their expanded pads, api.Model.image_prompt); the
+        vision tower runs here, before the request's prefill, and its rows stay with the request."""
         self._alive()
         if request_id in self.requests and not self.requests[request_id].finished:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -565,6 +570,13 @@ class Engine:
                 raise ValueError(f"request {request_id}: structured outputs need a tokenizer (this engine has none)")
             grammar = self.grammar_compiler.new_state(params.structured_outputs)  # ValueError: a bad spec
         req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
+        if images is not None:
+            if not hasattr(self.runner, "encode_images"):
+                raise ValueError(f"request {request_id}: this model takes no images")
+            if params.prompt_logprobs is not None:
+                raise ValueError(f"request {request_id}: prompt logprobs of an image prompt are not supported yet")
+            req.images = self.runner.encode_images(prompt, images)  # ValueError: pads and images disagree
+            req.slot_values = self.runner.image_slot_values(req.images)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt)  # entry 0 stays None: the first token has no context
         if params.structured_outputs is not None:
@@ -605,7 +617,7 @@ class Engine:
             self.ledger.flush()  # admissions (reset / restore / COW) land before the step reads them
             targets = self._prompt_targets(ticket)
             key = StepKey(ticket.batch_size, ticket.num_tokens, batch.page_table_width, targets is not None,
-                          self._store_key)
+                          self._store_key, "image_rows" in batch.host)
             store, out = self._launch_model_step(key, (self.runner.params, self.ledger.store, batch, targets))
             self.ledger.store = store
             out |= self._choose_tokens(ticket, out)
@@ -720,7 +732,8 @@ class Engine:
             tokens[r.row, : r.n] = r.tokens
             n_valid[r.row], start[r.row] = r.n, r.start
             pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
-            host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens)
+            host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens,
+                                       req.images)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = self.runner.host_prepare(host_rows, T)
         # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on
@@ -856,7 +869,8 @@ class Engine:
         self.ledger.set_cursor(ref, col)
         seq = req.tokens + new_tokens
         if r.capture is not None and r.capture.offset < accepted_inputs:
-            self.ledger.publish(ref, r.capture.offset - r.base, seq[: r.capture.length], r.pages, req.request_id)
+            self.ledger.publish(ref, r.capture.offset - r.base, seq[: r.capture.length], r.pages, req.request_id,
+                                req.prefix_salt(r.capture.length))
         req.num_computed = r.start + accepted_inputs
         if not new_tokens:  # a prefill chunk: drafts kept across a preemption stay pending
             return

@@ -4,6 +4,10 @@
               speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     outs = llm.generate(["w3 w4 w5", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=16))
     async for out in llm.stream("w3 w4", SamplingParams(max_tokens=8)): print(out.delta_text)
+
+Image prompts (a checkpoint with a vision tower) are dicts, as vLLM's: {"prompt": templated text or
+"prompt_token_ids": ids with one <|image_pad|> per image, "multi_modal_data": {"image": [PIL images]}}, or the
+pair the one-shot API makes, {"prompt_token_ids": ids, "images": ImageInput} (`api.Model.image_prompt`).
 """
 
 from __future__ import annotations
@@ -136,9 +140,37 @@ class LLM:
         return self.tokenizer
 
     # ---- requests
+    def _image_prompt(self, prompt: dict):
+        """A dict prompt -> (text or ids, its api.ImageInput or None)."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "images"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a dict prompt has 'prompt' or 'prompt_token_ids', and 'multi_modal_data' or 'images'; "
+                             f"got keys {sorted(prompt)}")
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        mm = prompt.get("multi_modal_data")
+        if mm is None:
+            return text, prompt.get("images")
+        if "images" in prompt or set(mm) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' only (and not with 'images'); got {sorted(mm)}")
+        model = getattr(self.runner, "model", None)
+        if not hasattr(model, "image_prompt"):
+            raise ValueError("this model takes no images")
+        pictures = mm.get("image", [])
+        pictures = pictures if isinstance(pictures, (list, tuple)) else [pictures]
+        if isinstance(text, str) and self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (none found in the checkpoint directory)")
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        ids, images = model.image_prompt(ids, pictures)  # expands each <|image_pad|> to the image's pad tokens
+        return (text if isinstance(text, str) else None, ids), images
+
     def _add(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         rid = request_id or f"req-{next(self._ids)}"
-        if isinstance(prompt, str):
+        images = None
+        if isinstance(prompt, dict):
+            prompt, images = self._image_prompt(prompt)
+        if isinstance(prompt, tuple):  # (text, expanded ids)
+            text, ids = prompt
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (none found in the checkpoint directory)")
             ids, text = self.tokenizer.encode(prompt), prompt
@@ -154,7 +186,7 @@ class LLM:
         self._emitted[rid] = (0, 0)
         try:
             with self._lock:
-                return self.engine.add_request(rid, ids, params, stop_checker=checker)
+                return self.engine.add_request(rid, ids, params, stop_checker=checker, images=images)
         except ValueError:  # refused (a bad grammar, ...): keep nothing of it
             for table in (self._detok, self._prompts, self._emitted):
                 table.pop(rid, None)
@@ -206,7 +238,7 @@ class LLM:
     # ---- offline
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]

@@ -95,7 +95,7 @@ def layer_counts(cfg: ModelConfig, layers: range) -> dict[str, int]:
 
 
 def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions, valid, n_valid, layer_state: dict,
-                  ends=None, mrope: MRope | None = None):
+                  ends=None, mrope=None):
     """One decoder layer: (PLE) -> read -> GDN|QSA -> write -> read -> MoE -> write. Returns (x, new layer_state).
 
     `layer_state` holds this layer's own state under its `State` field names (see `layer_state_index`), so the
@@ -104,7 +104,8 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     column (a leading K1 axis after the row axis) instead of after each row's last valid token; the QSA caches
     always come back whole, with this step's keys written at `positions`. A QSA layer given `qsa_pages` (a
     `qsa_paged.PagedKV`) instead of dense caches reads and writes the store's pages and returns the PagedKV.
-    `mrope` (image input, dense caches only) gives the QSA layers 3-D rotary positions.
+    `mrope` (image input: an `mrope.MRope` table or, in the engine, `mrope.SpanRope` spans) gives the QSA layers
+    3-D rotary positions, on either path.
     """
     new = {}
     # The named scopes only label the compiled program's ops (profiles group GPU time by them: bench/device_profile.py).
@@ -121,11 +122,9 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
             y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
                                                              layer_state["gdn_rec"], valid, n_valid, ends)
     elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
-        if mrope is not None:
-            raise NotImplementedError("3-D (image) positions on the paged QSA path: the engine takes no images yet")
         with jax.named_scope("qsa"):
             y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid,
-                                                    layer_state["qsa_pages"])
+                                                    layer_state["qsa_pages"], mrope)
     else:
         cache = (layer_state["kv_k"], layer_state["kv_v"], layer_state["kv_index"])
         with jax.named_scope("qsa"):
@@ -142,7 +141,7 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
 
 
 def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, positions, valid, n_valid,
-                  state: dict, ends=None, keep=None, mrope: MRope | None = None):
+                  state: dict, ends=None, keep=None, mrope=None):
     """Decoder layers `layers` (a pipeline stage; range(num_layers) = the whole model) -> (x, new state).
 
     `layer_params` iterates the params of exactly these layers, in order. `state[name]` has the stage-local
@@ -183,9 +182,15 @@ def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, po
     return x, out
 
 
-def embed_hyper(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Token embeddings widened to the hc_count-stream hyper state [B, T, S*H] the decoder layers carry."""
-    return jnp.tile(embed(params, tokens), (1, 1, cfg.hc_count))
+def embed_hyper(params: dict, cfg: ModelConfig, tokens: jax.Array, image_embeds: jax.Array | None = None,
+                image_mask: jax.Array | None = None) -> jax.Array:
+    """Token embeddings widened to the hc_count-stream hyper state [B, T, S*H] the decoder layers carry. With image
+    input the pad tokens' embeddings are the vision tower's rows image_embeds [B, T, H] where image_mask [B, T]
+    (PLE still hashes the pad ids)."""
+    rows = embed(params, tokens)
+    if image_embeds is not None:
+        rows = jnp.where(image_mask[..., None], image_embeds.astype(rows.dtype), rows)
+    return jnp.tile(rows, (1, 1, cfg.hc_count))
 
 
 def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
@@ -193,11 +198,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < batch.n_valid[:, None]
-    if batch.image_embeds is None:
-        x = embed_hyper(params, cfg, batch.tokens)
-    else:  # the pad tokens' embeddings replaced by the vision tower's rows (PLE still hashes the pad ids)
-        rows = jnp.where(batch.image_mask[..., None], batch.image_embeds, embed(params, batch.tokens))
-        x = jnp.tile(rows, (1, 1, cfg.hc_count))
+    x = embed_hyper(params, cfg, batch.tokens, batch.image_embeds, batch.image_mask)
     fields = {f: getattr(state, f) for f in ("gdn_conv", "gdn_rec", "kv_k", "kv_v", "kv_index", "ple_conv")}
     x, new = decoder_stack(params["layers"], cfg, range(cfg.num_hidden_layers), x, batch.ple_rows, positions, valid,
                            batch.n_valid, fields, mrope=batch.mrope)

@@ -9,6 +9,10 @@ included) sits at p + rope_delta on all three axes, rope_delta = (largest positi
 The rotary frequencies are interleaved over the axes (`mrope_interleaved`): frequency j uses the height position
 when j % 3 == 1 and j < 3 * mrope_section[1], the width position when j % 3 == 2 and j < 3 * mrope_section[2],
 else the temporal one.
+
+Two equal descriptions of the same layout: `position_table` (the one-shot path: every cache index of a row, [3, L])
+and `SpanRope` (the engine: per image a span (start index, t, h, w), a few ints per slot, from which any index's
+position is computed on the device, so a decode step at any context length needs no table).
 """
 
 from __future__ import annotations
@@ -36,6 +40,51 @@ class MRope:
         flat = jnp.clip(index.reshape(b, -1), 0, length - 1)
         rows = jnp.take_along_axis(self.table, flat[:, None, :], axis=2)  # [B, 3, n]
         return jnp.moveaxis(rows, 1, -1).reshape(*index.shape, 3)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpanRope:
+    """3-D positions computed from each row's image spans [B, M, 4] int32: (first pad index, merged t, h, w) per
+    image in prompt order, unused entries all zero (a row of zeros is a text row: position = index)."""
+
+    spans: jax.Array
+    section: tuple[int, int, int] = dataclasses.field(metadata=dict(static=True))
+
+    def at(self, index: jax.Array) -> jax.Array:
+        """3-D positions [..., 3] of cache indices index [B, ...] (the same as `prompt_positions` / the table)."""
+        b = index.shape[0]
+        i = index.reshape(b, -1)[:, :, None]  # [B, n, 1]
+        first, lt, lh, lw = (self.spans[:, None, :, c] for c in range(4))  # [B, 1, M]
+        size = lt * lh * lw
+        shift = jnp.maximum(lh, lw) - size  # how far the counter falls behind the index over the image (<= 0)
+        start = first + jnp.cumsum(shift, axis=-1) - shift  # the counter at the image's first pad
+        delta = jnp.sum(jnp.where(first + size <= i, shift, 0), axis=-1)  # images wholly before the index
+        inside = (first <= i) & (i < first + size)
+        local = i - first
+        plane = jnp.maximum(lh * lw, 1)
+        grid = jnp.stack([local // plane, local % plane // jnp.maximum(lw, 1), local % jnp.maximum(lw, 1)], -1)
+        in_image = jnp.sum(jnp.where(inside[..., None], start[..., None] + grid, 0), axis=2)  # [B, n, 3]
+        text = jnp.broadcast_to((i[:, :, 0] + delta)[..., None], in_image.shape)
+        pos = jnp.where(jnp.any(inside, axis=-1)[..., None], in_image, text)
+        return pos.reshape(*index.shape, 3)
+
+
+def image_spans(token_ids, grid_thw, image_token_id: int, merge: int, max_images: int) -> np.ndarray:
+    """[max_images, 4] int32 spans (first pad index, t, gh/merge, gw/merge) of a prompt's images (SpanRope)."""
+    ids = np.asarray(token_ids)
+    grids = np.asarray(grid_thw).reshape(-1, 3)
+    if len(grids) > max_images:
+        raise ValueError(f"{len(grids)} images in one prompt; at most {max_images}")
+    prompt_positions(ids, grids, image_token_id, merge)  # the runs must fit the grids (a clear error if not)
+    is_image = (ids == image_token_id).astype(np.int8)
+    firsts = np.nonzero(np.diff(np.concatenate([[0], is_image])) == 1)[0]
+    if len(firsts) != len(grids):
+        raise ValueError(f"{len(grids)} images but {len(firsts)} image-token runs in the prompt")
+    out = np.zeros((max_images, 4), np.int32)
+    for j, (a, (t, gh, gw)) in enumerate(zip(firsts, grids.tolist())):
+        out[j] = (a, t, gh // merge, gw // merge)
+    return out
 
 
 def section_of(hf_text_config: dict) -> tuple[int, int, int]:

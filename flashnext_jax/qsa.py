@@ -33,7 +33,8 @@ def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid:
 def block_keys(p: dict, cfg: ModelConfig, raw, blocks, mrope: MRope | None = None):
     """Compressed block keys [B, N, dI] from the raw index keys of N complete blocks raw [B, N, ratio, dI] with
     block numbers blocks [N]: RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back). With
-    image input (`mrope`) that is the 3-D position of the block's first token."""
+    image input (`mrope`: an mrope.MRope table or SpanRope spans) that is the 3-D position of the block's first
+    token."""
     pooled = jnp.mean(raw.astype(jnp.float32), axis=2).astype(raw.dtype)
     pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
     if mrope is None:

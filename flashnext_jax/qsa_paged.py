@@ -67,8 +67,9 @@ def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, 
     return min(tile, max(1, n_blocks))
 
 
-def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
-    """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool)."""
+def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions, mrope=None):
+    """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool). `mrope`
+    (image input, mrope.SpanRope): block keys rotated at their first token's 3-D position."""
     b, t = positions.shape
     ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
     n_blocks = kv.page_table.shape[1] * kv.index.shape[1] // ratio
@@ -80,7 +81,8 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
         page, row = _page_rows(kv, jnp.broadcast_to((blocks[:, None] * ratio + jnp.arange(ratio)).reshape(-1),
                                                     (b, tile * ratio)))
         raw = kv.index[page, row, kv.layer].reshape(b, tile, ratio, -1)
-        return qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks), n_complete, first), blocks
+        return qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks, mrope), n_complete,
+                                          first), blocks
 
     def merge(carry, first):
         vals, idx = carry
@@ -109,21 +111,23 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions):
     return idx, jnp.isfinite(vals)
 
 
-def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, *, query_tile: int = 128):
-    """One QSA layer over the paged store. u [B, T, H]; positions, valid [B, T]. Returns (y [B, T, H], kv with
-    this step's K/V/index entries written into its pools)."""
+def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, mrope=None, *,
+                      query_tile: int = 128):
+    """One QSA layer over the paged store. u [B, T, H]; positions, valid [B, T] (cache indices); mrope: the rows'
+    3-D rotary positions (mrope.SpanRope) when some row has images, as `qsa.qsa_forward` (None: text positions).
+    Returns (y [B, T, H], kv with this step's K/V/index entries written into its pools)."""
     ratio, page_size = cfg.indexer_compress_ratio, kv.k.shape[1]
     if not cfg.qsa_enabled or page_size % ratio:
         raise ValueError(f"paged QSA needs the indexer and a page size that is a multiple of the block ratio "
                          f"({ratio}); got page size {page_size}")
     bsz, t, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions)
+    q, gate, k, v, q_index, k_index = project(p, cfg, u, positions, mrope)
     kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
                      index=_write(kv.index, kv, positions, k_index))
 
     with jax.named_scope("select"):
-        idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions)
+        idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions, mrope)
     n_complete = (positions + 1) // ratio
     blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)  # the chosen blocks, then the tail block
     length = jnp.concatenate([jnp.where(chosen, ratio, 0), ((positions + 1) % ratio)[..., None]], axis=-1)

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .gdn import StoreRecState, uses_kernels
+from .mrope import SpanRope
+from .request_images import encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
 from .mtp import mtp_forward
 from .ple import gather_rows
@@ -45,7 +47,7 @@ class RealRunner:
     """ModelRunner for Qwen3.8-Flash-Next (`api.Model`). k = MTP draft tokens per step (0 = no MTP work at all)."""
 
     def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None,
-                 paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS):
+                 paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS, max_images_per_prompt: int = 8):
         cfg = model.cfg
         if num_speculative_tokens and not model.has_mtp:
             raise ValueError("speculative decoding needs MTP tensors; this checkpoint has none")
@@ -70,6 +72,8 @@ class RealRunner:
         # here costs more with a wider table: the paged QSA layers loop over the row's own blocks only, while the
         # dense oracle and the MTP layer's attention (still a dense per-row view) would copy the whole width
         self.one_page_width = self.paged_qsa and self.k == 0
+        # image prompts (a checkpoint with a vision tower): each slot holds its request's image spans
+        self.max_images = int(max_images_per_prompt) if getattr(model, "vision", None) is not None else 0
 
     # ---- protocol: what a request needs
     def store_spec(self, layers: range | None = None) -> StoreSpec:
@@ -89,6 +93,8 @@ class RealRunner:
                 "qsa_index": Leaf((n["qsa"], di), dt)}
         if n["ple"]:
             slot["ple_conv"] = Leaf((n["ple"], c.ple_conv_state_len, sh), dt, 0)
+        if self.max_images:  # written by the ledger at allocation (image_slot_values), never by a step
+            slot["mrope_spans"] = Leaf((self.max_images, 4), jnp.int32, 0)
         if self.k and layers.stop == c.num_hidden_layers:
             slot["mtp_h"] = Leaf((sh,), dt, 0)
             page.update(mtp_k=Leaf((kv, hd), dt), mtp_v=Leaf((kv, hd), dt), mtp_index=Leaf((di,), dt))
@@ -111,8 +117,39 @@ class RealRunner:
         """host_prepare outputs a stage reads: the n-gram rows go to the stage holding the PLE layer(s)."""
         return ("ple_rows",) if any(x in layers for x in self.cfg.ple_layers) else ()
 
+    # ---- image prompts (request_images.py)
+    def encode_images(self, prompt, images):
+        """The vision tower over a request's images (its own jitted program, bucketed patch counts), before the
+        request's prefill -> request_images.RequestImages."""
+        if not self.max_images:
+            raise ValueError("this checkpoint has no vision tower (model.visual.* and vision_config)")
+        if self.k:  # the MTP layer still rotates by text positions (runner._mtp)
+            raise ValueError("image prompts with speculative decoding (MTP) are not supported yet")
+        return encode_images(self.model.vision, prompt, images, self.dtype, self.max_images)
+
+    def image_slot_values(self, images) -> dict[str, np.ndarray]:
+        """What the ledger writes into an image request's slot when it is allocated: its spans (mrope.SpanRope)."""
+        return {"mrope_spans": images.spans}
+
+    def image_inputs(self, rows, T: int) -> dict[str, np.ndarray]:
+        """An image step's host inputs: which rows have images (the others' slots are not read for spans), and the
+        tower's rows for the pads each row's tokens cover, [B, T, H] in the model's dtype, with their mask."""
+        embeds = np.zeros((len(rows), T, self.cfg.hidden_size), self.dtype)
+        mask = np.zeros((len(rows), T), bool)
+        image_rows = np.zeros(len(rows), bool)
+        for b, row in enumerate(rows):
+            if row is not None and row.images is not None:
+                image_rows[b] = True
+                at, values = row.images.rows_for(row.start, len(row.tokens))
+                embeds[b, at], mask[b, at] = values, True
+        return {"image_rows": image_rows, "image_embeds": embeds, "image_mask": mask}
+
     # ---- protocol: host side (PLE n-gram rows; the table never enters the jitted params)
     def host_prepare(self, rows, T: int) -> dict[str, np.ndarray]:
+        images = self.image_inputs(rows, T) if any(r is not None and r.images is not None for r in rows) else {}
+        return self._ngram_rows(rows, T) | images
+
+    def _ngram_rows(self, rows, T: int) -> dict[str, np.ndarray]:
         if not self.n_ple:
             return {}
         h = self.hasher
@@ -157,7 +194,14 @@ class RealRunner:
         # On the kernel path the GDN recurrent state is never gathered: the kernels read each row's committed
         # column and write its checkpoint columns in the store leaf itself, by slot id (stale rows: slot -1).
         in_place = store.slot["gdn_rec"].shape[2] > 0 and uses_kernels(dt)
-        st = read_slots(store, batch.slot, live, skip=("gdn_rec",) if in_place else ())
+        # written by the ledger only (image_slot_values); read only in steps with images (text steps as before)
+        by_ledger = ("mrope_spans",) if "mrope_spans" in store.slot else ()
+        images = "image_rows" in batch.host
+        st = read_slots(store, batch.slot, live, skip=(("gdn_rec",) if in_place else ()) + (() if images else by_ledger))
+        mrope = None
+        if images:  # text rows' slots may hold a restored snapshot's spans: they count as no image
+            spans = jnp.where(batch.host["image_rows"][:, None, None], st.pop("mrope_spans"), 0)
+            mrope = SpanRope(spans, self.model.vision.mrope_section)
         n_valid, start, tokens = batch.n_valid, batch.start, batch.tokens
         base = jnp.maximum(n_valid - K1, 0)
         ends = base[:, None] + 1 + jnp.arange(K1)[None, :]  # tokens folded after column c
@@ -191,13 +235,13 @@ class RealRunner:
 
         # ---- decoder layers: GDN/PLE states come back per checkpoint column, K/V caches whole (keep the new tokens)
         if first:
-            x = embed_hyper(params, cfg, tokens)
+            x = embed_hyper(params, cfg, tokens, batch.host.get("image_embeds"), batch.host.get("image_mask"))
         ple_rows = None  # the host-gathered n-gram rows, the same for every PLE layer of the stage
         if "ple_conv" in st:
             rows = batch.host["ple_rows"].astype(dt)
             ple_rows = jnp.broadcast_to(rows[None], (st["ple_conv"].shape[1], *rows.shape))
         x, new = decoder_stack(params["layers"], cfg, layers, x, ple_rows, positions, valid, n_valid, stack_state,
-                               ends, keep=lambda name, a: _take_tokens(a, qpos) if name in _PAGES else a)
+                               ends, keep=lambda name, a: _take_tokens(a, qpos) if name in _PAGES else a, mrope=mrope)
         rec = new.pop("gdn_rec") if in_place else None
         pages = new.pop("qsa_pages", None)
         new = {name: jnp.moveaxis(a, 0, 2) for name, a in new.items()}  # [B, K1 or T, layer-of-kind, ...]
@@ -223,7 +267,8 @@ class RealRunner:
                 dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
         if in_place:
             store = dataclasses.replace(store, slot={**store.slot, "gdn_rec": rec})
-        store = write_slots(store, batch.slot, live, cols, written_in_place=("gdn_rec",) if in_place else ())
+        store = write_slots(store, batch.slot, live, cols,
+                            written_in_place=(("gdn_rec",) if in_place else ()) + by_ledger)
         if not last:
             return store, x
         out = {"logits": logits, "draft_logits": dlogits}

@@ -41,6 +41,8 @@ class Request:
     inflight: bool = False
     aborted: bool = False
     stop_checker: Any = None  # callable(token_ids) -> bool for stop strings (set by the LLM layer)
+    images: Any = None  # request_images.RequestImages of an image prompt (None: text)
+    slot_values: dict | None = None  # integer slot leaves the ledger writes at each allocation (the image spans)
     metrics: dict = dataclasses.field(default_factory=lambda: {
         "num_cached_tokens": 0, "num_drafts": 0, "num_accepted": 0, "num_preemptions": 0, "num_steps": 0})
 
@@ -51,6 +53,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def prefix_salt(self, length: int) -> bytes:
+        """What keys a prefix of `length` tokens besides its ids: the content of the images it holds pads of."""
+        return b"" if self.images is None else self.images.prefix_salt(length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +175,8 @@ class Scheduler:
             b = ((start + n) // bs) * bs
             if start < b < start + n:
                 n = b - start  # end chunks on the snapshot grid so the boundary state is a checkpoint column
-            if (start + n) % bs == 0 and not self.ledger.has_snapshot(req.tokens[: start + n]):
+            if (start + n) % bs == 0 and not self.ledger.has_snapshot(req.tokens[: start + n],
+                                                                          req.prefix_salt(start + n)):
                 cap = Capture(offset=n - 1, length=start + n)
         return n, cap
 
@@ -218,7 +225,8 @@ class Scheduler:
         # a request asking for prompt logprobs computes every prompt position (vLLM skips the prefix cache too)
         if self.cfg.enable_prefix_caching and getattr(req.params, "prompt_logprobs", None) is None:
             # with kept drafts the last token must stay uncomputed (it is verified together with them)
-            hit = self.ledger.lookup(req.tokens[:-1] if req.drafts else req.tokens, self.cfg.block_size)
+            hit = self.ledger.lookup(req.tokens[:-1] if req.drafts else req.tokens, self.cfg.block_size,
+                                     req.prefix_salt)
         start = len(hit.tokens) if hit else 0
         if hit:
             self.ledger.acquire(hit)
@@ -231,6 +239,8 @@ class Scheduler:
             if not self.ledger.can_allocate_pages(need):
                 return None
             req.slot = self.ledger.allocate_slot(req.request_id, hit)
+            if req.slot_values:  # after the reset / restore: a restored snapshot holds its publisher's values
+                self.ledger.set_slot_values(req.slot, req.slot_values)
             for p in shared:
                 self.ledger.share_page(p)
             own = self.ledger.allocate_pages(need, req.request_id)

@@ -125,7 +125,8 @@ def write_slots(store: StateStore, slot: jax.Array, live: jax.Array, columns: di
     """Scatter [B, K1, *shape] checkpoint columns back to the rows' slots; non-live rows are dropped.
 
     Every slot leaf is written each step: either from `columns` or, for the names in `written_in_place`, by a
-    kernel that already updated the leaf by slot id under the same liveness rule (gdn.StoreRecState)."""
+    kernel that already updated the leaf by slot id under the same liveness rule (gdn.StoreRecState), or not by
+    steps at all: a request's fixed values that the ledger wrote at allocation (StoreLedger.set_slot_values)."""
     missing = set(store.slot) - set(columns) - set(written_in_place)
     if missing:
         raise ValueError(f"a step must write every slot leaf; missing {sorted(missing)}")
@@ -236,6 +237,18 @@ def _op_reset(store: StateStore, a, inits):  # (slot, new odd gen, snap or -1): 
                                gen=store.gen.at[d].set(gen, mode="drop"))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(2,))
+def _op_set_slot(store: StateStore, a, name: str):  # (slot, gen, *values): every column of one integer leaf
+    slot, gen = a[:, 0], a[:, 1]
+    if name not in store.slot:  # a pipeline stage without that leaf
+        return store
+    arr = store.slot[name]
+    d = _oob(slot, _gen_ok(store, slot, gen), store.num_slots + 1)
+    val = a[:, 2:].reshape(a.shape[0], 1, *arr.shape[2:]).astype(arr.dtype)
+    new = arr.at[d].set(jnp.broadcast_to(val, (a.shape[0], *arr.shape[1:])), mode="drop")
+    return dataclasses.replace(store, slot={**store.slot, name: new})
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _op_poison_slots(store: StateStore, a):  # (slot, gen): poison and bump the generation
     slot, gen = a[:, 0], a[:, 1]
@@ -307,10 +320,20 @@ class SnapEntry:
     tokens: tuple[int, ...]  # the exact prefix (collision check)
     pages: tuple[int, ...]  # pages covering [0, len(tokens)), each holding one ref
     refs: int = 0  # readers restoring from it right now
+    salt: bytes = b""  # content hashes of the images whose pads the prefix holds (request_images.py)
 
 
-def prefix_key(tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+def prefix_key(tokens: Sequence[int], salt: bytes = b"") -> bytes:
+    """The prefix cache's key: the token ids and, for a prefix holding image pads, the images' content hashes
+    (`salt`; empty for text, so a text prefix's key is its tokens' alone)."""
+    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes() + salt, digest_size=16).digest()
+
+
+Salt = Callable[[int], bytes]  # prefix length -> its salt (Request.prefix_salt)
+
+
+def _no_salt(length: int) -> bytes:
+    return b""
 
 
 class StoreLedger:
@@ -397,6 +420,13 @@ class StoreLedger:
         info.owner, info.gen = None, info.gen + 1
         self.free_slots.append(ref.slot)
 
+    def set_slot_values(self, ref: SlotRef, values: dict[str, np.ndarray]):
+        """Write integer slot leaves of a freshly allocated slot (every checkpoint column) after its reset or
+        restore: a request's fixed per-slot data that no step writes (the image spans, request_images.py)."""
+        self.check(ref)
+        for name, v in values.items():
+            self._ops.append((f"set_slot:{name}", (ref.slot, ref.gen, *np.asarray(v, np.int64).ravel().tolist())))
+
     def set_cursor(self, ref: SlotRef, col: int):
         if self.check(ref):
             self._ops.append(("cursor", (ref.slot, ref.gen, col)))
@@ -450,18 +480,20 @@ class StoreLedger:
         self._ops.append(("copy_page", (src, dst)))
 
     # ---- prefix snapshots
-    def lookup(self, tokens: Sequence[int], block: int) -> SnapEntry | None:
-        """Longest published snapshot at a multiple of `block` strictly shorter than `tokens`."""
+    def lookup(self, tokens: Sequence[int], block: int, salt: Salt = _no_salt) -> SnapEntry | None:
+        """Longest published snapshot at a multiple of `block` strictly shorter than `tokens` (with the images
+        `salt(length)` names for a prefix of that length)."""
         for m in range((len(tokens) - 1) // block, 0, -1):
-            e = self.snaps.get(prefix_key(tokens[: m * block]))
-            if e is not None and e.tokens == tuple(tokens[: m * block]):
-                self.snaps.move_to_end(prefix_key(e.tokens))
+            key = prefix_key(tokens[: m * block], salt(m * block))
+            e = self.snaps.get(key)
+            if e is not None and e.tokens == tuple(tokens[: m * block]) and e.salt == salt(m * block):
+                self.snaps.move_to_end(key)
                 self.stats["prefix_hits"] += 1
                 return e
         return None
 
-    def has_snapshot(self, tokens: Sequence[int]) -> bool:
-        return prefix_key(tokens) in self.snaps
+    def has_snapshot(self, tokens: Sequence[int], salt: bytes = b"") -> bool:
+        return prefix_key(tokens, salt) in self.snaps
 
     def acquire(self, e: SnapEntry):
         e.refs += 1
@@ -470,13 +502,14 @@ class StoreLedger:
         assert e.refs > 0
         e.refs -= 1
 
-    def publish(self, ref: SlotRef, col: int, tokens: Sequence[int], pages: Sequence[int], owner) -> SnapEntry | None:
+    def publish(self, ref: SlotRef, col: int, tokens: Sequence[int], pages: Sequence[int], owner,
+                salt: bytes = b"") -> SnapEntry | None:
         """Capture the slot's column `col` (state after exactly len(tokens) tokens) as an immutable snapshot.
 
         Full pages are shared read-only; a partial last page is copied so the owner's later writes cannot reach it.
         Called only from a commit, so the snapshot becomes visible after its write and never to the same step.
         """
-        key = prefix_key(tokens)
+        key = prefix_key(tokens, salt)
         if key in self.snaps or not self.check(ref, owner):
             return None
         if not self.free_snaps and not self._evict_one():
@@ -496,7 +529,7 @@ class StoreLedger:
             self.page_owner[cp] = None
             self.copy_page(pages[n_full], cp)
             own.append(cp)
-        e = SnapEntry(snap_id, tuple(tokens), tuple(own))
+        e = SnapEntry(snap_id, tuple(tokens), tuple(own), salt=salt)
         self.snaps[key] = e
         self.stats["snapshots_published"] += 1
         return e
@@ -527,6 +560,8 @@ class StoreLedger:
             stores = self.store if self.staged else (self.store,)
             if kind == "reset":
                 stores = tuple(_op_reset(st, jnp.asarray(a), inits) for st, inits in zip(stores, self._inits))
+            elif kind.startswith("set_slot:"):
+                stores = tuple(_op_set_slot(st, jnp.asarray(a), kind.split(":", 1)[1]) for st in stores)
             else:
                 fn = {"capture": _op_capture, "cursor": _op_cursor, "poison_slot": _op_poison_slots,
                       "copy_page": _op_copy_pages, "poison_page": _op_poison_pages, "poison_snap": _op_poison_snaps}[kind]

@@ -1,0 +1,144 @@
+"""Image prompts through the serving engine (issue 21): `LLM.generate` with images on the demo model in float32.
+
+Oracles, never values of the code under test: the greedy continuations transformers wrote into
+tests/fixtures/reference_vision.* (which `Model.generate(..., images=...)` equals, tests/test_vision.py) and
+reference_tiny.* (a text prompt), and each request run alone. The demo model's random tower hardly moves its
+greedy tokens (one_image's text answers the same with either image), so requests with other images are told apart
+by their tokens' logprobs. Every engine here shares one runner and
+one shape configuration (chunks of CHUNK tokens, one page-table width), so the model step compiles once per
+kind (prefill / decode, with / without images).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import flashnext_jax as fj
+from flashnext_jax.api import DEMO_MODEL, ImageInput
+from flashnext_jax.runner import RealRunner
+from flashnext_jax.tokenizer import Tokenizer
+
+REF = np.load(Path(__file__).parent / "fixtures" / "reference_vision.npz")
+META = json.loads((Path(__file__).parent / "fixtures" / "reference_vision.json").read_text())
+TEXT = np.load(Path(__file__).parent / "fixtures" / "reference_tiny.npz")  # "short": a text prompt
+PAD = 186  # the demo model's <|image_pad|>
+CHUNK = 32  # every image prompt's chunks end inside an image (checked in the first test)
+GREEDY = fj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+SHAPES = dict(max_model_len=256, page_size=8, max_num_batched_tokens=CHUNK, prefill_buckets=(CHUNK,),
+              min_batch_bucket=4, page_table_width="max", num_pages=160, min_pool_capacity=(4, 160, 64))
+_STATE: dict = {}
+
+
+def model():
+    if "model" not in _STATE:
+        _STATE["model"] = fj.load(dtype="float32")
+        _STATE["runner"] = RealRunner(_STATE["model"], 0)
+        _STATE["tokenizer"] = Tokenizer.from_dir(DEMO_MODEL)
+    return _STATE["model"]
+
+
+def llm(**kw) -> fj.LLM:
+    model()
+    return fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], max_num_seqs=3, **SHAPES, **kw)
+
+
+def fixture_chat(chat: str) -> dict:
+    """The fixture's expanded ids and preprocessed images: the pair `Model.image_prompt` makes."""
+    return {"prompt_token_ids": REF[f"chat/{chat}/ids"].tolist(),
+            "images": ImageInput(REF[f"chat/{chat}/pixel_values"], REF[f"chat/{chat}/grid_thw"])}
+
+
+def other_image_chat() -> dict:
+    """one_image's templated text with the fixture's square image instead of the wide one, as vLLM takes it."""
+    return {"prompt": META["chats"]["one_image"]["text"],
+            "multi_modal_data": {"image": [Image.fromarray(REF["image/square"])]}}
+
+
+def solo(name: str, prompt):
+    """The prompt's RequestOutput run alone in an engine of the same shapes (cached per test session)."""
+    key = ("solo", name)
+    if key not in _STATE:
+        _STATE[key] = llm().generate(prompt, GREEDY)[0]
+    return _STATE[key]
+
+
+def logprobs(out) -> np.ndarray:
+    return np.array([lp.logprob for lp in out.logprobs])
+
+
+def same_run(out, want) -> bool:
+    """Equal tokens and (float32, other batch shapes) equal logprobs."""
+    return out.token_ids == want.token_ids and np.allclose(logprobs(out), logprobs(want), rtol=1e-4, atol=1e-5)
+
+
+def other_image(out, want) -> bool:
+    return not np.allclose(logprobs(out), logprobs(want), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("chat", ["one_image", "two_images"])
+def test_engine_image_chat_equals_transformers_with_chunks_splitting_images(chat):
+    ids = REF[f"chat/{chat}/ids"]
+    pads = np.nonzero(ids == PAD)[0]
+    assert any(pads[0] < c <= pads[-1] for c in range(CHUNK, len(ids), CHUNK))  # a chunk ends inside an image
+    assert solo(chat, fixture_chat(chat)).token_ids == REF[f"chat/{chat}/generated"].tolist()
+
+
+def test_spans_give_the_one_shot_position_table_at_every_index():
+    import jax.numpy as jnp
+
+    from flashnext_jax.mrope import SpanRope, image_spans, position_table, prompt_positions
+
+    for chat in ("one_image", "two_images"):
+        ids, grid = REF[f"chat/{chat}/ids"], REF[f"chat/{chat}/grid_thw"]
+        table = position_table(*prompt_positions(ids, grid, PAD, 2), len(ids) + 20)
+        spans = image_spans(ids, grid, PAD, 2, 8)
+        got = SpanRope(jnp.asarray(spans)[None], (2, 1, 1)).at(jnp.arange(table.shape[1])[None])
+        assert np.array_equal(np.asarray(got)[0].T, table), chat
+
+
+def test_bucketed_tower_equals_the_unpadded_tower():
+    from flashnext_jax.request_images import bucketed_embeddings, patch_bucket
+
+    tower = model().vision
+    pixel_values, grid = REF["chat/two_images/pixel_values"], REF["chat/two_images/grid_thw"]
+    assert patch_bucket(len(pixel_values), 2) > len(pixel_values)  # the padding path runs
+    want = np.asarray(model().image_embeddings(ImageInput(pixel_values, grid)))
+    got = bucketed_embeddings(tower, pixel_values, grid)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_image_and_text_requests_each_equal_their_solo_run():
+    text = TEXT["short/ids"].tolist()
+    outs = llm().generate([fixture_chat("one_image"), text, other_image_chat()], GREEDY)
+    assert same_run(outs[0], solo("one_image", fixture_chat("one_image")))
+    assert outs[0].token_ids == REF["chat/one_image/generated"].tolist()
+    assert outs[1].token_ids == TEXT["short/generated"][: GREEDY.max_tokens].tolist()
+    assert same_run(outs[2], solo("square", other_image_chat()))
+    assert other_image(outs[2], outs[0])  # the same text with other pixels: another distribution
+
+
+def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
+    lm = llm(enable_prefix_caching=True, block_size=16)
+    first_pad = int(np.nonzero(REF["chat/one_image/ids"] == PAD)[0][0])
+    (a,) = lm.generate(fixture_chat("one_image"), GREEDY)
+    (again,) = lm.generate(fixture_chat("one_image"), GREEDY)
+    (other,) = lm.generate(other_image_chat(), GREEDY)  # same text, other pixels
+    assert a.metrics["num_cached_tokens"] == 0
+    assert again.metrics["num_cached_tokens"] > first_pad  # blocks holding the image came from the cache
+    assert a.token_ids == REF["chat/one_image/generated"].tolist() and same_run(again, a)
+    assert other.metrics["num_cached_tokens"] <= first_pad  # no block holding pads of another image
+    assert same_run(other, solo("square", other_image_chat())) and other_image(other, a)
+
+
+def test_image_requests_are_refused_clearly():
+    lm = llm()
+    chat = fixture_chat("one_image")
+    with pytest.raises(ValueError, match="image pad tokens|image-token runs"):
+        lm.generate({**chat, "prompt_token_ids": [t for t in chat["prompt_token_ids"] if t != PAD]}, GREEDY)
+    with pytest.raises(ValueError, match="dict prompt"):
+        lm.generate({"images": chat["images"]}, GREEDY)
