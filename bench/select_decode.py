@@ -1,17 +1,16 @@
 """The indexer's block selection of one decode step at the real size: what each way of scoring the width costs.
 
 A decode step's QSA layers (12 at the real config) each score the row's complete blocks and take the top 512.
-`qsa_paged.select_blocks` today loops over 4,096-block tiles with a trip count read from the rows' context: on a
-GPU that while loop copies its predicate to the host every iteration (MemcpyD2H in
-bench/results/long_context_decode_profile.json: 9 iterations per layer at 128K). The variants, each over all 12
-layers of one step, wall time per step (the host wait included, as the engine sees it):
-  loop     select_blocks as it is (dynamic trip count);
-  full     the whole page-table width scored in one pass, block keys recomputed from the raw keys (no loop);
-  cached   the whole width in one pass from precomputed block keys (a block-key page leaf: 1/4 of the raw keys).
-Run it once with the default XLA flags and once with while loops in command buffers (device-side loops):
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT,WHILE,CONDITIONAL
+The variants, each over all 12 layers of one step, wall time per step (the host wait included, as the engine sees
+it):
+  full     the whole page-table width scored in one pass, block keys recomputed from the raw keys;
+  cached   `qsa_paged.select_blocks` as the engine runs it: one pass from the block-key page leaf (1/4 of the raw
+           keys' rows, written as each block completes).
+The tile loop with a dynamic trip count that preceded both (its while loop copies its predicate to the host every
+iteration on a GPU: 1.67 ms at 4K -> 7.48 ms at 262K) is measured in bench/results/select_decode.json, commit
+85219bb. Both variants here must pick the same blocks when the block-key pool holds the raw keys' block keys.
 
-  PYTHONPATH=. python3 bench/select_decode.py --out $OUT/select_decode.json
+  PYTHONPATH=. python3 bench/select_decode.py --out $OUT/select_decode_cached.json
   SELECT_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/select_decode.py   # CPU check of this script
 """
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import decode_step
 from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
 from flashnext_jax.qsa import block_keys
@@ -36,7 +36,7 @@ from flashnext_jax.qsa_paged import PagedKV, select_blocks
 from pallas_kernels import qsa_sparse
 
 SMOKE = bool(os.environ.get("SELECT_BENCH_SMOKE"))
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "qwen38_text_config.json")
+CONFIG = decode_step.REAL_CONFIG
 
 
 def full_width(p, cfg, q_index, kv: PagedKV, positions):
@@ -47,15 +47,6 @@ def full_width(p, cfg, q_index, kv: PagedKV, positions):
     raw = kv.index[kv.page_table, :, kv.layer].reshape(b, n_blocks, ratio, -1)  # [B, MP, page, dI] -> blocks
     keys = block_keys(p, cfg, raw, jnp.arange(n_blocks))
     scores = qsa_sparse.indexer_scores(q_index, keys, (positions + 1) // ratio, 0)
-    vals, idx = jax.lax.top_k(scores, cfg.block_topk)
-    return idx, jnp.isfinite(vals)
-
-
-def cached(p, cfg, q_index, kv: PagedKV, block_pool, positions):
-    """Every block of the width scored at once from a block-key pool [P + 1, page / ratio, n_qsa, dI]."""
-    b = positions.shape[0]
-    keys = block_pool[kv.page_table, :, kv.layer].reshape(b, -1, block_pool.shape[-1])
-    scores = qsa_sparse.indexer_scores(q_index, keys, (positions + 1) // cfg.indexer_compress_ratio, 0)
     vals, idx = jax.lax.top_k(scores, cfg.block_topk)
     return idx, jnp.isfinite(vals)
 
@@ -77,24 +68,26 @@ def main():
     dt = jnp.bfloat16
     n_pages = max(int(b) for b in args.batch.split(",")) * width + 1
     index = jnp.asarray(rng.standard_normal((n_pages, page, n_qsa, di), np.float32), dt)
-    block_pool = jnp.asarray(rng.standard_normal((n_pages, page // ratio, n_qsa, di), np.float32), dt)
     p = {"k_layernorm": jnp.ones((di,), dt)}
+    # the block keys the engine would have written: each block's key from its raw keys (row b's page i holds
+    # its blocks 16i .. 16i + 15: the page tables below are b * width + i)
+    raw = index.reshape(n_pages, page // ratio, ratio, n_qsa, di).transpose(0, 3, 1, 2, 4)
+    blocks_of_page = (jnp.arange(n_pages) % width)[:, None] * (page // ratio) + jnp.arange(page // ratio)
+    block_pool = jax.jit(lambda r: jax.vmap(lambda rl: block_keys(p, cfg, rl, blocks_of_page), 1, 2)(r))(raw)
     empty = jnp.zeros((n_pages, page, n_qsa, 1, 1), dt)
 
     def step(variant, q_index, index, block_pool, page_table, positions):
         out = []
         for layer in range(n_qsa):
-            kv = PagedKV(empty, empty, index, page_table, jnp.ones(positions.shape, bool), layer)
-            if variant == "loop":
-                idx, _ = select_blocks(p, cfg, q_index, kv, positions)
-            elif variant == "full":
+            kv = PagedKV(empty, empty, index, block_pool, page_table, jnp.ones(positions.shape, bool), layer)
+            if variant == "full":
                 idx, _ = full_width(p, cfg, q_index, kv, positions)
             else:
-                idx, _ = cached(p, cfg, q_index, kv, block_pool, positions)
+                idx, _ = select_blocks(cfg, q_index, kv, positions)
             out.append(idx)
         return jnp.stack(out)
 
-    jitted = {v: jax.jit(lambda *a, v=v: step(v, *a)) for v in ("loop", "full", "cached")}
+    jitted = {v: jax.jit(lambda *a, v=v: step(v, *a)) for v in ("full", "cached")}
     rows = []
     for bsz in (int(b) for b in args.batch.split(",")):
         page_table = jnp.asarray(np.arange(bsz * width, dtype=np.int32).reshape(bsz, width))
@@ -112,13 +105,13 @@ def main():
                     fn(q_index, index, block_pool, page_table, positions).block_until_ready()
                     times.append(time.perf_counter() - t0)
                 ms = 1e3 * float(np.median(times))
-                same = None if variant == "cached" else bool(  # the same blocks as the loop (as sets)
-                    (np.sort(picked[variant], -1) == np.sort(picked["loop"], -1)).all())
+                same = None if variant == "full" else bool(  # the same blocks as recomputing (as sets)
+                    (np.sort(picked[variant], -1) == np.sort(picked["full"], -1)).all())
                 rows.append(dict(variant=variant, batch=bsz, context=ctx, width_pages=width, layers=n_qsa,
-                                 ms_per_step=ms, first_s=first, same_blocks_as_loop=same))
+                                 ms_per_step=ms, first_s=first, same_blocks_as_full=same))
                 print(f"B={bsz} ctx={ctx:>7} {variant:>7}: {ms:7.3f} ms per step ({n_qsa} layers)", flush=True)
     summary = {f"B{r['batch']}_{r['context']}_{r['variant']}_ms": round(r["ms_per_step"], 3) for r in rows}
-    path = save_result("select_decode.json", rows, args.out, summary=summary)
+    path = save_result("select_decode_cached.json", rows, args.out, summary=summary)
     print("\n| B | context | " + " | ".join(jitted) + " |")
     for bsz in sorted({r["batch"] for r in rows}):
         for ctx in sorted({r["context"] for r in rows}):

@@ -982,9 +982,10 @@ class Engine:
         col = int(st.cursor[s])
         out = {n: np.asarray(a[s, col]) for n, a in st.slot.items()}
         ps = self.ledger.dims.page_size
-        for n, a in st.page.items():
+        for n, a in st.page.items():  # per token; a leaf of fewer rows per page: its complete entries
             a = np.asarray(a)
-            out[n] = np.array([a[req.pages[p // ps], p % ps] for p in range(req.num_computed)])
+            per = ps // a.shape[1]
+            out[n] = np.array([a[req.pages[p * per // ps], p * per % ps // per] for p in range(req.num_computed // per)])
         return out
 
     def usage(self) -> dict:

@@ -28,7 +28,13 @@ CPU_POOL_CAP_BYTES = 4 << 30
 
 
 def leaf_bytes(leaves) -> int:
+    """Bytes of one entry of every leaf (per slot column, or per token for page leaves: see page_bytes)."""
     return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves.values())
+
+
+def page_bytes_of(leaves, page_size: int) -> int:
+    """Bytes of one page of every page leaf (a leaf with tokens_per_row > 1 has fewer rows per page)."""
+    return sum(leaf_bytes({n: leaf}) * (page_size // leaf.tokens_per_row) for n, leaf in leaves.items())
 
 
 def device_memory(device=None) -> tuple[int, int] | None:
@@ -71,7 +77,7 @@ def size_pool(spec: StoreSpec | tuple[StoreSpec, ...], page_size: int, num_slots
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     specs = spec if isinstance(spec, tuple) else (spec,)
-    page_bytes = max(1, sum(leaf_bytes(sp.page) for sp in specs) * page_size)
+    page_bytes = max(1, sum(page_bytes_of(sp.page, page_size) for sp in specs))
     pages_per_seq = -(-max_model_len // page_size)
     if memory is not None:
         limit, in_use = memory

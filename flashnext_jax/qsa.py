@@ -32,7 +32,7 @@ def _scatter_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, valid:
 
 def block_keys(p: dict, cfg: ModelConfig, raw, blocks, mrope: MRope | None = None):
     """Compressed block keys [B, N, dI] from the raw index keys of N complete blocks raw [B, N, ratio, dI] with
-    block numbers blocks [N]: RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back). With
+    block numbers blocks [N] (or per row, [B, N]): RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back). With
     image input (`mrope`: an mrope.MRope table or SpanRope spans) that is the 3-D position of the block's first
     token."""
     pooled = jnp.mean(raw.astype(jnp.float32), axis=2).astype(raw.dtype)
@@ -40,7 +40,7 @@ def block_keys(p: dict, cfg: ModelConfig, raw, blocks, mrope: MRope | None = Non
     if mrope is None:
         cos, sin = rope_cos_sin(blocks * cfg.indexer_compress_ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
     else:
-        starts = jnp.broadcast_to(blocks * cfg.indexer_compress_ratio, (raw.shape[0], blocks.shape[0]))
+        starts = jnp.broadcast_to(blocks * cfg.indexer_compress_ratio, raw.shape[:2])
         cos, sin = mrope_cos_sin(mrope.at(starts), mrope.section, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
     return apply_rope(pooled, cos, sin)
 

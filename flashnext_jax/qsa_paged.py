@@ -3,12 +3,16 @@
 Same selection as `qsa.selection_mask` (the oracle), computed without any per-row dense copy and without a
 [T, L] array (docs/long-context.md):
 1. the step's K, V and raw index keys are written into their pages first, so its own tokens are visible to it;
-2. the indexer scores the row's complete blocks tile by tile (block keys recomputed from the raw keys in the
-   pages, as transformers does) and merges each tile into a running top-k. The running entries come first in
-   each merge and `lax.top_k` prefers the lower position among equal values, so ties go to the lowest block
-   index, exactly as one top-k over all blocks; where the whole width's scores fit the tile budget (decode
-   steps) the tiles fill one score row and a single top-k picks the blocks (cheaper than a chain of merges);
-3. attention reads only the chosen blocks and the tail block (the tokens after the last complete one, up to the
+2. a token that completes a block (position 4j + 3) writes the block's compressed key (`qsa.block_keys` of the
+   block's four raw keys, as transformers computes it) into the block-key pages, one entry per block; so no
+   step recomputes the keys of the whole context;
+3. the indexer scores the row's complete blocks from those pages. A decode step (the whole width's scores fit
+   the score budget) scores the whole page-table width in one pass and takes one top-k: no loop whose trip
+   count depends on the context (a GPU while loop waits for its predicate on the host every iteration: 9 waits
+   per layer at 128K, bench/results/select_decode.json). A prefill chunk scores tile by tile and merges each
+   tile into a running top-k. The running entries come first in each merge and `lax.top_k` prefers the lower
+   position among equal values, so ties go to the lowest block index, exactly as one top-k over all blocks;
+4. attention reads only the chosen blocks and the tail block (the tokens after the last complete one, up to the
    query itself) from the K/V pages (pallas_kernels/qsa_sparse.py, kernel or reference per the switch).
 Peak temporaries are [T, tile] scores and [query tile, budget] keys: they grow with the chunk, not the context.
 """
@@ -33,12 +37,14 @@ MAX_TILE_BLOCKS = 4096  # 16K tokens of context per tile at ratio 4
 
 class PagedKV(NamedTuple):
     """The store's QSA page leaves as one layer sees them: pools [P + 1, page, n_qsa, ...] (last page = the
-    poisoned null page), the rows' page tables [B, MP], which tokens get written ([B, T]: valid tokens of live
-    rows), this layer's index among the QSA layers and the scoring tile's size in scores (the memory knob)."""
+    poisoned null page) of K, V and raw index keys, the block-key pool [P + 1, page / ratio, n_qsa, dI], the rows'
+    page tables [B, MP], which tokens get written ([B, T]: valid tokens of live rows), this layer's index among
+    the QSA layers and the scoring tile's size in scores (the memory knob)."""
 
     k: jax.Array
     v: jax.Array
     index: jax.Array
+    block_keys: jax.Array
     page_table: jax.Array
     write: jax.Array
     layer: int
@@ -59,6 +65,21 @@ def _write(pool, kv: PagedKV, positions, values):
     return pool.at[page, row, kv.layer].set(values.astype(pool.dtype), mode="drop")
 
 
+def _write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=None):
+    """The block-key pool with the keys of the blocks this step's tokens complete (a token at 4j + 3 completes
+    block j), each from its block's raw keys in the pages (this step's just written). A draft token that is
+    rejected later is rewritten by a later step, its block key with it, before any query counts that block."""
+    ratio = cfg.indexer_compress_ratio
+    b, t = positions.shape
+    block = positions // ratio
+    page, row = _page_rows(kv, (block[..., None] * ratio + jnp.arange(ratio)).reshape(b, t * ratio))
+    keys = block_keys(p, cfg, kv.index[page, row, kv.layer].reshape(b, t, ratio, -1), block, mrope)
+    pid, off = token_page_index(kv.page_table, block * ratio, kv.index.shape[1])
+    completes = kv.write & ((positions + 1) % ratio == 0) & (pid >= 0)
+    pid = jnp.where(completes, pid, kv.block_keys.shape[0])  # out of range: dropped
+    return kv.block_keys.at[pid, off // ratio, kv.layer].set(keys.astype(kv.block_keys.dtype), mode="drop")
+
+
 def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, elements: int) -> int:
     """Blocks per scoring tile: a power of two with batch x tokens x heads x tile <= elements (at least 1), and
     at most MAX_TILE_BLOCKS (a decode step's tile would otherwise span the whole page-table width)."""
@@ -67,22 +88,32 @@ def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, 
     return min(tile, max(1, n_blocks))
 
 
-def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions, mrope=None):
-    """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool). `mrope`
-    (image input, mrope.SpanRope): block keys rotated at their first token's 3-D position."""
+def select_blocks(cfg: ModelConfig, q_index, kv: PagedKV, positions):
+    """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool), scored
+    from the block-key pages (the keys of every block complete at a query were written by then)."""
     b, t = positions.shape
     ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
-    n_blocks = kv.page_table.shape[1] * kv.index.shape[1] // ratio
+    n_blocks = kv.page_table.shape[1] * kv.block_keys.shape[1]
     tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, kv.score_elements)
     n_complete = (positions + 1) // ratio
 
+    if b * t * n_blocks <= kv.score_elements:
+        # a decode step: one pass over the whole width and ONE top-k (lax.top_k prefers the lower index among
+        # equal values). At least `top` entries: the extra ones stay -inf, are never chosen and name blocks past
+        # the page table (the null page).
+        table = jnp.where(kv.page_table >= 0, kv.page_table, kv.block_keys.shape[0] - 1)
+        keys = kv.block_keys[table, :, kv.layer].reshape(b, n_blocks, -1)
+        scores = qsa_sparse.indexer_scores(q_index, keys, n_complete, 0)
+        if n_blocks < top:
+            scores = jnp.pad(scores, ((0, 0), (0, 0), (0, top - n_blocks)), constant_values=-jnp.inf)
+        vals, idx = jax.lax.top_k(scores, top)
+        return idx, jnp.isfinite(vals)
+
     def tile_scores(first):  # [B, T, tile] scores of blocks first .. first + tile - 1
         blocks = first + jnp.arange(tile)
-        page, row = _page_rows(kv, jnp.broadcast_to((blocks[:, None] * ratio + jnp.arange(ratio)).reshape(-1),
-                                                    (b, tile * ratio)))
-        raw = kv.index[page, row, kv.layer].reshape(b, tile, ratio, -1)
-        return qsa_sparse.indexer_scores(q_index, block_keys(p, cfg, raw, blocks, mrope), n_complete,
-                                          first), blocks
+        page, row = _page_rows(kv, jnp.broadcast_to(blocks * ratio, (b, tile)))
+        keys = kv.block_keys[page, row // ratio, kv.layer]
+        return qsa_sparse.indexer_scores(q_index, keys, n_complete, first), blocks
 
     def merge(carry, first):
         vals, idx = carry
@@ -91,21 +122,9 @@ def select_blocks(p: dict, cfg: ModelConfig, q_index, kv: PagedKV, positions, mr
         idx = jnp.take_along_axis(jnp.concatenate([idx, jnp.broadcast_to(blocks, (b, t, tile))], -1), pick, -1)
         return vals, idx
 
-    # only the tiles holding some query's complete blocks: the trip count follows the rows' context, not the
-    # page-table width, so one padded width (the engine's default) costs little at short contexts
+    # a prefill chunk: only the tiles holding some query's complete blocks (the trip count follows the rows'
+    # context, not the page-table width, so one padded width costs little at short contexts)
     n_tiles = jnp.minimum(-(-jnp.max(n_complete) // tile), -(-n_blocks // tile))
-    padded = -(-n_blocks // tile) * tile
-    if b * t * padded <= kv.score_elements:
-        # a decode step: the scores of the whole width fit the budget, so fill them tile by tile and take ONE
-        # top-k (the same set: lax.top_k prefers the lower index among equal values). On the H200 a chain of 16
-        # merges cost 1.15 ms per layer at 262K, one top_k over all 65,536 blocks 0.19 ms
-        # (bench/results/topk_probe.json). At least `top` entries: the extra ones stay -inf, are never chosen
-        # and name blocks past the page table (the null page).
-        def fill(i, scores):
-            return jax.lax.dynamic_update_slice_in_dim(scores, tile_scores(i * tile)[0], i * tile, axis=2)
-        scores = jax.lax.fori_loop(0, n_tiles, fill, jnp.full((b, t, max(padded, top)), -jnp.inf, jnp.float32))
-        vals, idx = jax.lax.top_k(scores, top)
-        return idx, jnp.isfinite(vals)
     init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
     vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
     return idx, jnp.isfinite(vals)
@@ -125,9 +144,10 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     q, gate, k, v, q_index, k_index = project(p, cfg, u, positions, mrope)
     kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
                      index=_write(kv.index, kv, positions, k_index))
+    kv = kv._replace(block_keys=_write_block_keys(p["indexer"], cfg, kv, positions, mrope))
 
     with jax.named_scope("select"):
-        idx, chosen = select_blocks(p["indexer"], cfg, q_index, kv, positions, mrope)
+        idx, chosen = select_blocks(cfg, q_index, kv, positions)
     n_complete = (positions + 1) // ratio
     blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)  # the chosen blocks, then the tail block
     length = jnp.concatenate([jnp.where(chosen, ratio, 0), ((positions + 1) % ratio)[..., None]], axis=-1)

@@ -68,9 +68,11 @@ class RealRunner:
         # QSA layers read the pages in place (qsa_paged.py) unless paged_qsa=False (the dense per-row oracle)
         self.paged_qsa = bool(paged_qsa and cfg.qsa_enabled and self.n_qsa)
         self.qsa_score_elements = int(qsa_score_elements)
-        # the engine may pad every step's page table to max_model_len's pages (one compiled width) when nothing
-        # here costs more with a wider table: the paged QSA layers loop over the row's own blocks only, while the
-        # dense oracle and the MTP layer's attention (still a dense per-row view) would copy the whole width
+        # the engine may pad every step's page table to max_model_len's pages (one compiled width) when little
+        # here costs more with a wider table: a paged prefill chunk loops over the row's own blocks only, a decode
+        # step scores the whole width's cached block keys in one pass (H200, 12 layers at 262K: 1.2 ms, less than
+        # a loop over a 4K row's blocks, bench/results/select_decode.json), while the dense oracle and the MTP
+        # layer's attention (still a dense per-row view) would copy the whole width
         self.one_page_width = self.paged_qsa and self.k == 0
         # image prompts (a checkpoint with a vision tower): each slot holds its request's image spans
         self.max_images = int(max_images_per_prompt) if getattr(model, "vision", None) is not None else 0
@@ -91,6 +93,8 @@ class RealRunner:
         }
         page = {"qsa_k": Leaf((n["qsa"], kv, hd), dt), "qsa_v": Leaf((n["qsa"], kv, hd), dt),
                 "qsa_index": Leaf((n["qsa"], di), dt)}
+        if self.paged_qsa:  # the indexer's compressed key of each complete block, written once (qsa_paged.py)
+            page["qsa_block_keys"] = Leaf((n["qsa"], di), dt, tokens_per_row=c.indexer_compress_ratio)
         if n["ple"]:
             slot["ple_conv"] = Leaf((n["ple"], c.ple_conv_state_len, sh), dt, 0)
         if self.max_images:  # written by the ledger at allocation (image_slot_values), never by a step
@@ -229,7 +233,8 @@ class RealRunner:
         has_qsa = store.page["qsa_k"].shape[2] > 0  # a pipeline stage may hold no QSA layer
         if has_qsa and self.paged_qsa and store.page["qsa_k"].shape[1] % ratio == 0:  # blocks within pages
             stack_state["qsa_pages"] = PagedKV(store.page["qsa_k"], store.page["qsa_v"], store.page["qsa_index"],
-                                               batch.page_table, wvalid, 0, self.qsa_score_elements)
+                                               store.page["qsa_block_keys"], batch.page_table, wvalid, 0,
+                                               self.qsa_score_elements)
         elif has_qsa:
             stack_state |= {name: dense(page) for name, page in _PAGES.items()}
 
@@ -247,7 +252,7 @@ class RealRunner:
         new = {name: jnp.moveaxis(a, 0, 2) for name, a in new.items()}  # [B, K1 or T, layer-of-kind, ...]
         if pages is not None:  # the paged path wrote this step's entries in place, layer by layer
             store = dataclasses.replace(store, page={**store.page, "qsa_k": pages.k, "qsa_v": pages.v,
-                                                     "qsa_index": pages.index})
+                                                     "qsa_index": pages.index, "qsa_block_keys": pages.block_keys})
         for name, page in _PAGES.items():
             if name in new:
                 store = write_pages(store, page, batch.page_table, positions, wvalid, new[name])

@@ -11,6 +11,7 @@ pool is the poisoned null entry that padding rows read):
   cursor      [num_slots + 1] int32          which column holds the committed state
   gen         [num_slots + 1] int32          generation; bumped when a slot is released (and poisoned)
   page[name]  [num_pages + 1, page_size, *shape]   per-token entries (KV, index keys, MTP KV) in pages
+                                             (page_size / tokens_per_row rows: one per indexer block)
   snap[name]  [num_snaps + 1, *shape]        immutable prefix snapshots of every slot leaf (one column)
 
 All device ops are pure functions `store -> store`, jitted with the store donated, with indices padded to a
@@ -37,11 +38,14 @@ INT_POISON = -(2**31) + 7  # sentinel for integer leaves: every legitimate value
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One state tensor: per-slot (or per-token for pages) shape, dtype, initial value and poison value."""
+    """One state tensor: per-slot (or per-token for pages) shape, dtype, initial value and poison value. A page leaf
+    may hold one entry per `tokens_per_row` tokens (the QSA indexer's block keys: one per block of 4 tokens), so
+    its pages have page_size / tokens_per_row rows."""
 
     shape: tuple[int, ...]
     dtype: Any
     init: float | int = 0
+    tokens_per_row: int = 1
 
     @property
     def poison(self):
@@ -96,7 +100,12 @@ class StateStore:
 def init_store(spec: StoreSpec, dims: StoreDims) -> StateStore:
     """Every slot, page and snapshot starts poisoned: nothing is readable before it was written for its owner."""
     slot = {n: jnp.full((dims.num_slots + 1, dims.num_columns, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
-    page = {n: jnp.full((dims.num_pages + 1, dims.page_size, *l.shape), l.poison, l.dtype) for n, l in spec.page.items()}
+    for n, l in spec.page.items():
+        if dims.page_size % l.tokens_per_row:
+            raise ValueError(f"page leaf {n!r} holds one entry per {l.tokens_per_row} tokens: the page size must be "
+                             f"a multiple of {l.tokens_per_row}, got {dims.page_size}")
+    page = {n: jnp.full((dims.num_pages + 1, dims.page_size // l.tokens_per_row, *l.shape), l.poison, l.dtype)
+            for n, l in spec.page.items()}
     snap = {n: jnp.full((dims.num_snaps + 1, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
     return StateStore(slot=slot, cursor=jnp.zeros((dims.num_slots + 1,), jnp.int32),
                       gen=jnp.zeros((dims.num_slots + 1,), jnp.int32), page=page, snap=snap)

@@ -33,16 +33,18 @@ def dense(u, cfg=CFG, params=PARAMS):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "score_elements", "query_tile"))
-def paged_step(params, cfg, kp, vp, ip, page_table, u, positions, valid, layer, score_elements, query_tile):
-    kv = PagedKV(kp, vp, ip, page_table, valid, layer, score_elements)
+def paged_step(params, cfg, kp, vp, ip, bp, page_table, u, positions, valid, layer, score_elements, query_tile):
+    kv = PagedKV(kp, vp, ip, bp, page_table, valid, layer, score_elements)
     y, kv = qsa_paged_forward(params, cfg, u, positions, valid, kv, query_tile=query_tile)
-    return y, kv.k, kv.v, kv.index
+    return y, kv.k, kv.v, kv.index, kv.block_keys
 
 
 def pools(n_pages, page_size):
-    shape = lambda *s: (n_pages + 1, page_size, N_QSA, *s)
-    nan = lambda s: jnp.full(shape(*s), jnp.nan, jnp.float32)  # poisoned: nothing unwritten may be read
-    return nan((CFG.num_key_value_heads, CFG.head_dim)), nan((CFG.num_key_value_heads, CFG.head_dim)), nan((16,))
+    """K, V, raw index key and block-key pools (one block key per 4 tokens), all poisoned: nothing unwritten may
+    be read."""
+    nan = lambda rows, *s: jnp.full((n_pages + 1, rows, N_QSA, *s), jnp.nan, jnp.float32)
+    kv = (CFG.num_key_value_heads, CFG.head_dim)
+    return nan(page_size, *kv), nan(page_size, *kv), nan(page_size, 16), nan(page_size // 4, 16)
 
 
 def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=128, seed=0, cfg=CFG,
@@ -55,7 +57,7 @@ def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=
     ids = rng.permutation(b * per_row + 3)[: b * per_row].reshape(b, per_row)  # rows' pages scattered
     table = np.full((b, mp), -1, np.int32)
     table[:, :per_row] = ids
-    kp, vp, ip = pools(b * per_row + 3, page_size)
+    kp, vp, ip, bp = pools(b * per_row + 3, page_size)
     out = np.zeros(u.shape[:2] + (u.shape[2],), np.float32)
     start, i = 0, 0
     while start < max(lengths):
@@ -65,8 +67,8 @@ def run_paged(u, lengths, chunks, page_size, score_elements=1 << 24, query_tile=
         piece = jnp.take(u, jnp.minimum(pos, t - 1), axis=1)[0] if b == 1 else jnp.stack(
             [u[r, jnp.minimum(pos[r], t - 1)] for r in range(b)])
         piece = piece.reshape(b, c, -1)
-        y, kp, vp, ip = paged_step(params, cfg, kp, vp, ip, jnp.asarray(table), piece, pos, valid, LAYER,
-                                   score_elements, query_tile)
+        y, kp, vp, ip, bp = paged_step(params, cfg, kp, vp, ip, bp, jnp.asarray(table), piece, pos, valid, LAYER,
+                                       score_elements, query_tile)
         y = np.asarray(y)
         for r in range(b):
             n = int(np.clip(lengths[r] - start, 0, c))

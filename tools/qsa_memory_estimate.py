@@ -2,7 +2,7 @@
 """Peak temporaries of one real-size QSA layer over the paged store, from XLA's memory analysis (shapes only).
 
 Compiles `qsa_paged_forward` (reference path) for the real config (24 heads, 2 KV heads x 256, indexer 4 x 128,
-budget 2048) for a C-token chunk against page tables of L tokens, bf16, page size 64, and prints
+budget 2048; K, V, raw index and block-key pools) for a C-token chunk against page tables of L tokens, bf16, page size 64, and prints
 temp_size_in_bytes per (C, L). Nothing is allocated (lower() on ShapeDtypeStructs), so it runs on CPU:
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python tools/qsa_memory_estimate.py --chunks 1,8192 --contexts 4096,32768,262144
@@ -39,16 +39,17 @@ def temp_bytes(cfg, params, chunk: int, context: int, page: int = 64, dtype=jnp.
     width = context // page
     n_qsa, kv, hd, di = len(cfg.qsa_layers), cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim
     s = jax.ShapeDtypeStruct
+    ratio = cfg.indexer_compress_ratio
     pools = (s((width + 2, page, n_qsa, kv, hd), dtype), s((width + 2, page, n_qsa, kv, hd), dtype),
-             s((width + 2, page, n_qsa, di), dtype))
+             s((width + 2, page, n_qsa, di), dtype), s((width + 2, page // ratio, n_qsa, di), dtype))
 
-    def step(p, k, v, index, table, u, positions, valid):
-        y, kv_ = qsa_paged_forward(p, cfg, u, positions, valid, PagedKV(k, v, index, table, valid, 0))
-        return y, kv_.k, kv_.v, kv_.index
+    def step(p, k, v, index, blocks, table, u, positions, valid):
+        y, kv_ = qsa_paged_forward(p, cfg, u, positions, valid, PagedKV(k, v, index, blocks, table, valid, 0))
+        return y, kv_.k, kv_.v, kv_.index, kv_.block_keys
 
     args = (params, *pools, s((1, width), jnp.int32), s((1, chunk, cfg.hidden_size), dtype),
             s((1, chunk), jnp.int32), s((1, chunk), jnp.bool_))
-    compiled = jax.jit(step, donate_argnums=(1, 2, 3)).lower(*args).compile()
+    compiled = jax.jit(step, donate_argnums=(1, 2, 3, 4)).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
