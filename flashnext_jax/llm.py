@@ -94,8 +94,9 @@ class LLM:
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
         a progress bar (Engine.precompile), prefill chunks cut to a few buckets (EngineConfig.prefill_buckets,
-        "auto" unless given) so that no request compiles a step; precompile_sampling: sampling parameters
-        expected in traffic, whose samplers are compiled too. pipeline_parallel_size /
+        "auto" unless given) so that no request compiles a step, then run one throwaway request (Engine.warm_up:
+        the store's ops and first launches); precompile_sampling: sampling parameters expected in traffic, whose
+        samplers are compiled too. pipeline_parallel_size /
         pp_layer_partition: pipeline stages, each on its own device (docs/pipeline.md). engine_kwargs: further
         EngineConfig fields."""
         k = 0
@@ -128,6 +129,7 @@ class LLM:
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         if precompile:
             self.engine.precompile(sampling_params=precompile_sampling)
+            self.engine.warm_up()  # the store's ops and the programs' first launches, before the first request
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}

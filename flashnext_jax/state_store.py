@@ -366,11 +366,13 @@ class StoreLedger:
             dims, num_slots=_bucket(max(dims.num_slots, min_capacity[0])),
             num_pages=round_pages_up(max(dims.num_pages, min_capacity[1])),
             num_snaps=_bucket(max(dims.num_snaps, min_capacity[2])))
-        if shardings is None:
-            stores = tuple(init_store(sp, pool) for sp in specs)
-        else:  # built on the stage's own devices (never the whole model's state on one device first)
-            stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=sh)()
-                           for sp, sh in zip(specs, shardings, strict=True))
+        if shardings is None:  # one store on the default device
+            shardings = (jax.sharding.SingleDeviceSharding(jax.devices()[0]),)
+        # built on its devices (a stage's own: never the whole model's state on one device first) and committed
+        # there, as every store a step returns: a store op first run on an uncommitted store would compile again
+        # for the step's output (tests/test_prefill_buckets.py, the warm-up)
+        stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=sh)()
+                       for sp, sh in zip(specs, shardings, strict=True))
         self.store = stores if self.staged else stores[0]
         self._inits = tuple(tuple((n, l.init) for n, l in sp.slot.items()) for sp in specs)
         self.slots = [_SlotInfo() for _ in range(dims.num_slots)]

@@ -93,3 +93,30 @@ def test_precompiled_sampling_variant(model):
     run(SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True, seed=1))  # no top-k / top-p: a sampler
     # of its own (device_sampling.mask_modes), and no model step
     assert eng._steps.counters["compiled"] == compiled[0] and eng._samplers.counters["compiled"] > compiled[1]
+
+
+def test_warm_up_leaves_the_first_request_nothing_to_compile(model):
+    """precompile compiles the model steps; warm_up (one throwaway full-chunk request) also compiles the store's
+    own ops. After both, a prompt of full chunks with prefix caching on compiles no program at all (counted by
+    jax's compile events, the model steps and the store ops alike), and its tokens are still the model's own:
+    the warm-up request leaves nothing behind that a later request reads."""
+    import jax
+
+    eng = _engine(model, max_num_seqs=1, prefill_buckets=(16,), enable_prefix_caching=True, block_size=4)
+    eng.precompile(progress=False)
+    assert eng.warm_up() > 0 and not eng.requests and not eng.has_unfinished()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    prompt = [(5 * i + 3) % 200 + 1 for i in range(32)]  # two full chunks
+    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    out = None
+    while eng.has_unfinished():
+        for req in eng.step():
+            if req.finished:
+                out = list(req.output)
+    assert compiles == []
+    assert out == model.generate(prompt, 6)
+    with pytest.raises(RuntimeError, match="before any request"):
+        eng.warm_up()
