@@ -753,7 +753,7 @@ class Engine:
             tokens[r.row, : r.n] = r.tokens
             n_valid[r.row], start[r.row] = r.n, r.start
             pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
-            host_rows[r.row] = HostRow(tuple(req.tokens[max(0, r.start - 8): r.start]), r.start, r.tokens,
+            host_rows[r.row] = HostRow(tuple(req.token_slice(max(0, r.start - 8), r.start)), r.start, r.tokens,
                                        req.images)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = self.runner.host_prepare(host_rows, T)
@@ -888,8 +888,8 @@ class Engine:
             self.counters["accepted"] += m
         col = accepted_inputs - 1 - r.base
         self.ledger.set_cursor(ref, col)
-        seq = req.tokens + new_tokens
         if r.capture is not None and r.capture.offset < accepted_inputs:
+            seq = req.tokens + new_tokens
             self.ledger.publish(ref, r.capture.offset - r.base, seq[: r.capture.length], r.pages, req.request_id,
                                 req.prefix_salt(r.capture.length))
         req.num_computed = r.start + accepted_inputs
@@ -975,7 +975,7 @@ class Engine:
             return "stop"
         if len(req.output) >= p.max_tokens:
             return "length"
-        if len(req.tokens) >= self.cfg.max_model_len:
+        if req.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
 

@@ -158,3 +158,15 @@ def test_drafts_survive_preemption_and_are_verified_after_recompute():
     commit(s, [p])
     (p,) = s.schedule()
     assert p.tokens == (a.tokens[-1], 9) and p.num_drafts == 1
+
+
+def test_request_token_views_equal_slices_of_the_token_list():
+    """num_tokens / last_token / token_slice (the per-step paths: no copy of the whole context) agree with the
+    list `tokens` builds, across the prompt/output boundary."""
+    r = Request("views", [5, 6, 7], SamplingParams(), 0)
+    assert (r.num_tokens, r.last_token) == (3, 7)
+    r.output.extend([8, 9])
+    assert (r.num_tokens, r.last_token) == (5, 9)
+    for start in range(6):
+        for stop in range(start, 6):
+            assert r.token_slice(start, stop) == r.tokens[start:stop], (start, stop)
