@@ -53,7 +53,7 @@ class RandomPleRunner(RealRunner):
         rng = np.random.default_rng(0)
         return (rng.standard_normal((self.TABLE_ROWS, self.cfg.ple_embed_dim)) * 0.02).astype(np.float32)
 
-    def host_prepare(self, rows, T: int):
+    def _ngram_rows(self, rows, T: int):
         if not self.n_ple:
             return {}
         out = np.zeros((len(rows), T, self.cfg.ple_embed_dim), np.float32)
