@@ -216,7 +216,7 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
             text = server.render_chat(messages, body.add_generation_prompt)
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         if images:  # the count the engine sees: each image's pads expanded
-            ids = server.image_prompt(ids, images)["prompt_token_ids"]
+            ids = (await asyncio.to_thread(server.image_prompt, ids, images))["prompt_token_ids"]
         strs = [tokenizer.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -240,7 +240,7 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
         text, shaper, forced = prepare_chat(
             body, lambda kwargs: server.render_chat(messages, body.add_generation_prompt, kwargs),
             tool_call_parser, reasoning_parser)
-        prompt = server.image_prompt(server.encode(text), images)
+        prompt = await asyncio.to_thread(server.image_prompt, server.encode(text), images)  # resizes, patches
         return await Generation(server, body, [prompt], chat=True, shaper=shaper, forced_grammar=forced).respond()
 
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashnext_jax.sampling import SamplingParams
 
@@ -149,14 +149,15 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str  # data:image/...;base64,... (http(s) only from --allowed-media-domains: flashnext_jax/media.py)
-    detail: str | None = None
+    detail: Literal["auto"] | None = None  # OpenAI's "low" / "high" would ask for another resolution: refused
 
-    @model_validator(mode="after")
-    def _detail_is_auto(self):
-        if self.detail not in (None, "auto"):
-            raise ValueError(f"image_url.detail {self.detail!r} is not supported (only 'auto'): images are read at "
-                             "the size the model's image processor chooses")
-        return self
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _detail_is_auto(cls, value):
+        if value not in (None, "auto"):
+            raise ValueError(f"detail {value!r} is not supported (only 'auto'): images are read at the size the "
+                             "model's image processor chooses")
+        return value
 
 
 class ImagePart(_Strict):

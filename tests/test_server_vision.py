@@ -119,3 +119,27 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(client, parts, needle)
     assert e.value.status_code == 400 and e.value.body["code"] == 400 and needle in e.value.body["message"]
     small = ask(client, [{"role": "user", "content": [image_part(png_url(REF["image/tiny"]))]}], max_tokens=1)
     assert small.usage.completion_tokens == 1
+
+
+def test_serve_flags_reach_the_engine(monkeypatch):
+    """vLLM's flag names and formats: --limit-mm-per-prompt JSON, --allowed-media-domains a list."""
+    import flashnext_jax.llm
+    import serving.cli
+    from flashnext_jax.cli import build_parser
+
+    class Built(Exception):
+        pass
+
+    def fake_llm(model, **kw):
+        raise Built(kw)
+
+    monkeypatch.setattr(flashnext_jax.llm, "LLM", fake_llm)
+    monkeypatch.setattr(serving.cli, "configure_compilation_cache", lambda option: None)
+    args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 3, "video": 0}',
+                                      "--allowed-media-domains", "upload.wikimedia.org", "example.com",
+                                      "--max-image-pixels", "1000000"])
+    with pytest.raises(Built) as e:
+        args.func(args)
+    kw = e.value.args[0]
+    assert kw["limit_mm_per_prompt"] == {"image": 3, "video": 0} and kw["max_image_pixels"] == 1000000
+    assert kw["allowed_media_domains"] == ["upload.wikimedia.org", "example.com"]
