@@ -155,7 +155,9 @@ class LLM:
                       max_pixels: int | None) -> MediaLimits:
         slots = getattr(self.runner, "max_images", 0)  # a RealRunner's image slots (0: no vision tower)
         refusal = None
-        if not slots or not hasattr(getattr(self.runner, "model", None), "image_prompt"):
+        if not hasattr(self.runner, "encode_images"):  # the toy model, pipeline stages (docs/vision.md)
+            refusal = f"this engine takes no images ({type(self.runner).__name__} has no vision path)"
+        elif not slots:
             refusal = "this model takes no images (the checkpoint has no vision tower)"
         elif max_images is not None and max_images > slots:  # a runner passed in, built with fewer slots
             raise ValueError(f"limit_mm_per_prompt image={max_images}: the runner has {slots} image slots per "
