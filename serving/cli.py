@@ -76,7 +76,7 @@ def add_serve_parser(sub, parents=()) -> None:
     p.add_argument("--reasoning-parser", choices=["qwen3"],
                    help="return the output's <think>...</think> block as reasoning_content; a response_format / "
                         "structured_outputs grammar then applies after </think>")
-    p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
                    help='images per prompt at most, as JSON: \'{"image": 4}\' (other modalities only 0); default: '
                         "the engine's image slots per request (8); a request over it is a 400")
     p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
@@ -97,6 +97,17 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _mm_limits(text: str) -> dict:
+    from flashnext_jax.media import image_limit
+
+    value = _json_object(text)
+    try:
+        image_limit(value)  # checked now, not after the model has loaded
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
