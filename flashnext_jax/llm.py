@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from .engine import Engine, EngineConfig, ModelRunner
+from .media import DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
 from .sampling import SamplingParams, TokenLogprob
 from .scheduler import Request
 from .structured_output import GrammarCompiler
@@ -47,8 +48,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None
+def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, max_images: int | None = None
           ) -> tuple[ModelRunner, Tokenizer | None]:
+    """-> (the runner, the tokenizer). `max_images`: image slots per request of a RealRunner built here (None:
+    RealRunner's default)."""
     from .toy_model import ToyConfig, ToyRunner
 
     if isinstance(model, ToyConfig) or model == "toy":
@@ -64,8 +67,9 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None
             return tokenizer
         return Tokenizer.from_dir(Path(path))
 
+    images = {} if max_images is None else {"max_images_per_prompt": max_images}
     if isinstance(model, api.Model):  # an already loaded real model
-        return RealRunner(model, k), dir_tokenizer(model.path)
+        return RealRunner(model, k, **images), dir_tokenizer(model.path)
     path = Path(model) if model is not None else api.DEMO_MODEL  # None -> the embedded demo model
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} is neither 'toy' nor a checkpoint directory")
@@ -74,7 +78,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None
         cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
         return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
     loaded = api.load(path, dtype=dtype, device=device)
-    runner = RealRunner(loaded, k) if isinstance(loaded, api.Model) else loaded
+    runner = RealRunner(loaded, k, **images) if isinstance(loaded, api.Model) else loaded
     if not (hasattr(runner, "store_spec") and hasattr(runner, "step") and hasattr(runner, "host_prepare")):
         raise NotImplementedError(f"{type(loaded).__name__} does not implement the engine's ModelRunner protocol "
                                   "yet (store_spec / host_prepare / step; see docs/engine-design.md)")
@@ -89,7 +93,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, precompile: bool = False,
                  precompile_sampling: Sequence[SamplingParams] = (),
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
-                 **engine_kwargs):
+                 limit_mm_per_prompt: dict | None = None, allowed_media_domains: Sequence[str] | None = None,
+                 max_image_pixels: int | None = None, **engine_kwargs):
         """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
@@ -97,8 +102,11 @@ class LLM:
         "auto" unless given) so that no request compiles a step, then run one throwaway request (Engine.warm_up:
         the store's ops and first launches); precompile_sampling: sampling parameters expected in traffic, whose
         samplers are compiled too. pipeline_parallel_size /
-        pp_layer_partition: pipeline stages, each on its own device (docs/pipeline.md). engine_kwargs: further
-        EngineConfig fields."""
+        pp_layer_partition: pipeline stages, each on its own device (docs/pipeline.md). Image input (a checkpoint
+        with a vision tower, docs/vision.md), as vLLM's: limit_mm_per_prompt={"image": N} images per prompt at most
+        (default: RealRunner's 8 image slots), allowed_media_domains: hosts http(s) image URLs may be fetched from
+        (default: none, data: URLs only); max_image_pixels: of one image as decoded (default: Pillow's
+        decompression-bomb threshold, 89,478,485). engine_kwargs: further EngineConfig fields."""
         k = 0
         if speculative_config:
             method = speculative_config.get("method", "mtp")
@@ -109,7 +117,8 @@ class LLM:
                 raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         pipelined = pipeline_parallel_size != 1 or pp_layer_partition is not None
         # a pipeline's weights stay on the host until each stage's share goes to the stage's own devices
-        self.runner, self.tokenizer = _load(model, dtype, k, tokenizer, "host" if pipelined else None)
+        max_images = image_limit(limit_mm_per_prompt)
+        self.runner, self.tokenizer = _load(model, dtype, k, tokenizer, "host" if pipelined else None, max_images)
         if pipelined:  # stages (pipeline.py, docs/pipeline.md)
             from .pipeline import make_pipeline
 
@@ -125,6 +134,7 @@ class LLM:
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
+        self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         if precompile:
@@ -141,7 +151,31 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def _media_limits(self, max_images: int | None, domains: Sequence[str] | None,
+                      max_pixels: int | None) -> MediaLimits:
+        slots = getattr(self.runner, "max_images", 0)  # a RealRunner's image slots (0: no vision tower)
+        refusal = None
+        if not hasattr(self.runner, "encode_images"):  # the toy model, pipeline stages (docs/vision.md)
+            refusal = f"this engine takes no images ({type(self.runner).__name__} has no vision path)"
+        elif not slots:
+            refusal = "this model takes no images (the checkpoint has no vision tower)"
+        elif max_images is not None and max_images > slots:  # a runner passed in, built with fewer slots
+            raise ValueError(f"limit_mm_per_prompt image={max_images}: the runner has {slots} image slots per "
+                             "request (RealRunner(max_images_per_prompt=))")
+        return MediaLimits(max_images=slots if max_images is None else max_images, refusal=refusal,
+                           max_pixels=max_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+                           allowed_domains=frozenset(d.lower() for d in domains or ()))
+
     # ---- requests
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], Any]:
+        """A templated prompt's ids with one <|image_pad|> per image + PIL images -> (the ids with each image's pads
+        expanded, the preprocessed images: what `generate({"prompt_token_ids": ..., "images": ...})` takes), after
+        the image count and pixel limits (`self.media`)."""
+        self.media.check_count(len(images))
+        for i, image in enumerate(images):
+            self.media.check_size(image, f"image {i}")
+        return self.runner.model.image_prompt([int(t) for t in token_ids], images)
+
     def _image_prompt(self, prompt: dict):
         """A dict prompt -> (text or ids, its api.ImageInput or None)."""
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "images"}
@@ -154,15 +188,15 @@ class LLM:
             return text, prompt.get("images")
         if "images" in prompt or set(mm) - {"image"}:
             raise ValueError(f"multi_modal_data takes 'image' only (and not with 'images'); got {sorted(mm)}")
-        model = getattr(self.runner, "model", None)
-        if not hasattr(model, "image_prompt"):
-            raise ValueError("this model takes no images")
         pictures = mm.get("image", [])
-        pictures = pictures if isinstance(pictures, (list, tuple)) else [pictures]
+        pictures = list(pictures) if isinstance(pictures, (list, tuple)) else [pictures]
+        self.media.check_count(len(pictures))
+        if not pictures:
+            return text, None
         if isinstance(text, str) and self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer (none found in the checkpoint directory)")
         ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(t) for t in text]
-        ids, images = model.image_prompt(ids, pictures)  # expands each <|image_pad|> to the image's pad tokens
+        ids, images = self.image_prompt(ids, pictures)  # expands each <|image_pad|> to the image's pad tokens
         return (text if isinstance(text, str) else None, ids), images
 
     def _add(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -260,11 +294,21 @@ class LLM:
                 bar.update(sum(r.finished for r in reqs) - bar.n)
         return [self._output(r) for r in reqs]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, **template_kwargs):
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = False,
+             **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of OpenAI-style messages) or several -> one output each, as vLLM's LLM.chat.
+        Content may be a string or a list of parts: text, images as `{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}` or `{"type": "image_pil", "image_pil": PIL.Image}` (media.chat_inputs,
+        under `self.media`'s limits). template_kwargs: extra chat template variables."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (none found in the checkpoint directory)")
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **template_kwargs)
-                   for c in convs]
-        return self.generate(prompts, sampling_params)
+        prompts = []
+        for conv in convs:
+            shown, images = chat_inputs(conv, self.media)
+            text = self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, **template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- async streaming (server)
     async def stream(self, prompt, params: SamplingParams | None = None,

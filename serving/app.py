@@ -10,6 +10,7 @@ right after: a fault never turns into a silent hang.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -21,6 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+
+from flashnext_jax.media import chat_inputs
 
 from . import protocol
 from .chat_features import prepare_chat
@@ -74,14 +77,27 @@ class _Server:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def render_chat(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool,
-                    kwargs: dict | None = None) -> str:
+    def chat_inputs(self, messages: list[protocol.ChatMessage]) -> tuple[list[dict], list]:
+        """The messages as the chat template reads them, and their images decoded under the engine's limits (count,
+        pixels, URL schemes and domains: flashnext_jax/media.py). Blocking (decoding, an allowed fetch): the routes
+        run it on a worker thread."""
+        return chat_inputs([m.openai() for m in messages], self.llm.media)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
         tokenizer = self.needs_tokenizer()
         try:
-            return tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                                 add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 **(kwargs or {}))
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+    def image_prompt(self, ids: list[int], images: list) -> list[int] | dict:
+        """A rendered prompt's ids and its decoded images -> what the engine takes: the ids alone without images,
+        else the ids with each image's pads expanded and the preprocessed images (`LLM.image_prompt`)."""
+        if not images:
+            return ids
+        ids, processed = self.llm.image_prompt(ids, images)
+        return {"prompt_token_ids": ids, "images": processed}
 
     def max_tokens(self, num_prompt: int, requested: int | None) -> int:
         """vLLM's context check: the prompt plus the completion must fit max_model_len; unset: what is left."""
@@ -105,8 +121,10 @@ class _Server:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        # the deepest error: of a union (content: a string or a list of parts) it names the branch that got furthest
+        # rather than the first one tried; union branch labels ("list[...]") are left out of the location
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return JSONResponse(error_body(f"{where}: {msg}" if where else msg), status_code=400)
 
@@ -192,9 +210,13 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
     async def tokenize(body: protocol.TokenizeRequest):
         server.check_model(body.model)
         tokenizer = server.needs_tokenizer()
-        text = body.prompt if body.messages is None else \
-            server.render_chat(body.messages, body.add_generation_prompt)
+        text, images = body.prompt, []
+        if body.messages is not None:
+            messages, images = await asyncio.to_thread(server.chat_inputs, body.messages)
+            text = server.render_chat(messages, body.add_generation_prompt)
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        if images:  # the count the engine sees: each image's pads expanded
+            ids = (await asyncio.to_thread(server.image_prompt, ids, images))["prompt_token_ids"]
         strs = [tokenizer.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -214,11 +236,12 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatRequest):
         server.check_model(body.model)
+        messages, images = await asyncio.to_thread(server.chat_inputs, body.messages)
         text, shaper, forced = prepare_chat(
-            body, lambda kwargs: server.render_chat(body.messages, body.add_generation_prompt, kwargs),
+            body, lambda kwargs: server.render_chat(messages, body.add_generation_prompt, kwargs),
             tool_call_parser, reasoning_parser)
-        return await Generation(server, body, [server.encode(text)], chat=True, shaper=shaper,
-                                forced_grammar=forced).respond()
+        prompt = await asyncio.to_thread(server.image_prompt, server.encode(text), images)  # resizes, patches
+        return await Generation(server, body, [prompt], chat=True, shaper=shaper, forced_grammar=forced).respond()
 
     return app
 

@@ -76,6 +76,15 @@ def add_serve_parser(sub, parents=()) -> None:
     p.add_argument("--reasoning-parser", choices=["qwen3"],
                    help="return the output's <think>...</think> block as reasoning_content; a response_format / "
                         "structured_outputs grammar then applies after </think>")
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None,
+                   help='images per prompt at most, as JSON: \'{"image": 4}\' (other modalities only 0); default: '
+                        "the engine's image slots per request (8); a request over it is a 400")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                   help="hosts http(s) image URLs may be fetched from (without it, only data: URLs: http(s) image "
+                        "URLs are a 400)")
+    p.add_argument("--max-image-pixels", type=int, default=None,
+                   help="pixels of one image as decoded, before the processor resizes it; larger images are a 400 "
+                        "(default: Pillow's decompression-bomb threshold, 89,478,485; not a vLLM flag)")
     add_pipeline_arguments(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
@@ -88,6 +97,17 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _mm_limits(text: str) -> dict:
+    from flashnext_jax.media import image_limit
+
+    value = _json_object(text)
+    try:
+        image_limit(value)  # checked now, not after the model has loaded
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
@@ -182,7 +202,9 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
               block_size=args.block_size, speculative_config=speculative_config(args), dtype=args.dtype,
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
-              precompile_sampling=[default_sampling(defaults)], **pipeline_kwargs(args),
+              precompile_sampling=[default_sampling(defaults)], limit_mm_per_prompt=args.limit_mm_per_prompt,
+              allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels,
+              **pipeline_kwargs(args),
               **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:
         if llm.tokenizer is None:

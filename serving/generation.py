@@ -33,9 +33,10 @@ def _sse(body: dict | str) -> str:
 
 
 class Generation:
-    def __init__(self, server, body: protocol._Sampling, prompts: list[list[int]], *, chat: bool,
+    def __init__(self, server, body: protocol._Sampling, prompts: list[list[int] | dict], *, chat: bool,
                  prompt_texts: list[str] | None = None, shaper: ChatShaper | None = None, forced_grammar=None):
-        """`prompt_texts`: the prompts as text, for completions' echo. Chat (one prompt): `shaper` turns the
+        """`prompts`: token ids, or an image prompt's dict (`_Server.image_prompt`: expanded ids and images).
+        `prompt_texts`: the prompts as text, for completions' echo. Chat (one prompt): `shaper` turns the
         output text into the message / deltas (tool calls, reasoning); `forced_grammar` is a forced tool call's
         constraint, in place of the request's."""
         self.server, self.body, self.prompts, self.chat = server, body, prompts, chat
@@ -43,8 +44,9 @@ class Generation:
         self.prompt_texts = prompt_texts
         self.shaper = shaper or ChatShaper()
         requested = body.requested_max_tokens()
-        self.params = [self._constrained(body.sampling_params(server.max_tokens(len(p), requested), server.defaults),
-                                         forced_grammar) for p in prompts]
+        lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts]
+        self.params = [self._constrained(body.sampling_params(server.max_tokens(n, requested), server.defaults),
+                                         forced_grammar) for n in lengths]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -54,7 +56,7 @@ class Generation:
             params = dataclasses.replace(params, structured_outputs=forced_grammar)
         return grammar_after_thinking(params, self.shaper) if self.chat else params
 
-    async def _outputs(self, prompt: list[int], params) -> AsyncIterator[Any]:
+    async def _outputs(self, prompt: list[int] | dict, params) -> AsyncIterator[Any]:
         started = False
         try:
             async for out in self.server.llm.stream(prompt, params):

@@ -9,9 +9,9 @@ the field to the request model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashnext_jax.sampling import SamplingParams
 
@@ -147,14 +147,29 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # data:image/...;base64,... (http(s) only from --allowed-media-domains: flashnext_jax/media.py)
+    detail: Literal["auto"] | None = None  # OpenAI's "low" / "high" would ask for another resolution: refused
+
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _detail_is_auto(cls, value):
+        if value not in (None, "auto"):
+            raise ValueError(f"detail {value!r} is not supported (only 'auto'): images are read at the size the "
+                             "model's image processor chooses")
+        return value
+
+
 class ImagePart(_Strict):
-    type: Literal["image_url", "input_image", "image"]
-    image_url: Any = None
+    """OpenAI's image content part; the server decodes it (flashnext_jax/media.py) and the chat template renders
+    its placeholder."""
+    type: Literal["image_url"]
+    image_url: ImageURL
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
@@ -166,14 +181,13 @@ class ChatMessage(_Strict):
                              "have content: null)")
         return self
 
-    def for_template(self) -> dict:
-        """The message as the chat template reads it: content parts joined into one string (images: 400),
-        role developer as system (as vLLM does), content null as '' (templates concatenate it)."""
+    def openai(self) -> dict:
+        """The message as an OpenAI-style dict, role developer as system (as vLLM does), content null as ''
+        (templates concatenate it); content parts stay parts (media.chat_inputs joins text-only lists and loads
+        the images)."""
         content = self.content
         if isinstance(content, list):
-            if any(isinstance(p, ImagePart) for p in content):
-                raise ValueError("images are not supported: this model reads text only")
-            content = "".join(p.text for p in content)
+            content = [p.model_dump(exclude_none=True) for p in content]
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         for k in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, k) is not None:

@@ -142,3 +142,35 @@ def test_image_requests_are_refused_clearly():
         lm.generate({**chat, "prompt_token_ids": [t for t in chat["prompt_token_ids"] if t != PAD]}, GREEDY)
     with pytest.raises(ValueError, match="dict prompt"):
         lm.generate({"images": chat["images"]}, GREEDY)
+
+
+def test_llm_chat_takes_openai_image_parts_and_pil_images():
+    """LLM.chat reads the messages the server reads (media.chat_inputs): a data: URL of PNG bytes (lossless) and a
+    PIL image give transformers' greedy tokens."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(REF["image/square"]).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = {"square": {"type": "image_url", "image_url": {"url": url}},
+             "tiny": {"type": "image_pil", "image_pil": Image.fromarray(REF["image/tiny"])}}
+    messages = [{**m, "content": [parts[p["image"]] if p["type"] == "image" else p for p in m["content"]]}
+                for m in META["chats"]["two_images"]["messages"]]
+    (out,) = llm().chat(messages, GREEDY)
+    assert out.prompt_token_ids == REF["chat/two_images/ids"].tolist()
+    assert out.token_ids == REF["chat/two_images/generated"].tolist()
+
+
+def test_image_limits_are_checked_before_the_images_are_used():
+    model()
+    with pytest.raises(ValueError, match="image slots"):  # more than the runner was built for
+        fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"image": 9}, **SHAPES)
+    with pytest.raises(ValueError, match="images only"):
+        fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"video": 1}, **SHAPES)
+    lm = llm(limit_mm_per_prompt={"image": 1}, max_image_pixels=64 * 64)
+    with pytest.raises(ValueError, match=r"at most 1 image\(s\)"):
+        lm.generate({"prompt": META["chats"]["two_images"]["text"],
+                     "multi_modal_data": {"image": [Image.fromarray(REF["image/square"])] * 2}}, GREEDY)
+    with pytest.raises(ValueError, match="more than the 4096 allowed"):
+        lm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": Image.fromarray(REF["image/large"])}]}])
