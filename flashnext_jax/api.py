@@ -300,13 +300,14 @@ def _consume(tensors: dict):
 
 
 def _load_vision(path: Path, dtype) -> VisionTower | None:
-    """The checkpoint's vision tower (unquantized, as the release keeps it), or None if it has none."""
+    """The checkpoint's vision tower (unquantized, as the release keeps it; an HF directory or a converted one),
+    or None if it has none."""
     from .vision import load_vision_params
     from .vision_preprocess import load_processor_config
 
     hf = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    if "vision_config" not in hf or "image_token_id" not in hf or not any(path.glob("*.safetensors")):
-        return None  # text-only, or our converted format (the converter does not keep model.visual.* yet)
+    if "vision_config" not in hf or "image_token_id" not in hf:
+        return None  # text-only
     loaded = load_vision_params(path, dtype)
     if loaded is None:
         return None
