@@ -5,8 +5,9 @@ state h_p with the embedding of token p+1, runs one QSA decoder layer (own KV/in
 and reads logits through its own final mixer and the shared lm_head. Chained drafts feed the layer's output
 (pre-mixer) back as h.
 
-Image prompts (transformers has no MTP head; this follows vLLM's Qwen3.5 MTP, which the release's serving stacks
-share): the layer reads its inputs as the main model does. Its RoPE position p is the main model's 3-D (MRoPE)
+Image prompts (transformers has no MTP head; this follows vLLM's drafter for the multimodal Qwen3.5 MTP, which
+passes the target's MRoPE positions and reads multimodal embeddings one position ahead): the layer reads its inputs
+as the main model does. Its RoPE position p is the main model's 3-D (MRoPE)
 position of cache index p (an image's pads on their grid, p + rope_delta after the images), and the embedding of a
 next token that is an image pad is the vision tower's row for it, not the pad's token embedding.
 """

@@ -412,8 +412,8 @@ def test_converted_demo_model_keeps_its_vision_tower_and_load_finds_it(tmp_path)
 
 
 def test_block_fp8_vision_linear_is_dequantised_like_the_text_model(tmp_path):
-    """A block-FP8 source's vision linear becomes bf16(fp8 * scale_inv) (our tower has no FP8 path), its bias and
-    the other vision tensors stay as stored."""
+    """A block-FP8 source's vision linear becomes bf16(fp8 * scale_inv) (our tower has no FP8 path); its bias, a
+    plain tensor, stays as stored."""
     from convert import read_vision
     from convert.testing import write_safetensors
 
