@@ -2,11 +2,12 @@
 
 API: read_checkpoint(path) and load_converted(path) both return
 (hf_config, iterator of (canonical_name, np.ndarray | QuantizedWeight), ngram_table, ngram_scale);
-convert(src, dst, ...) writes our format (docs/converter.md); expected_tensors(hf_config) is the canonical set.
+convert(src, dst, ...) writes our format (docs/converter.md); expected_tensors(hf_config) is the canonical set;
+read_vision(path) gives the vision tower's tensors (`visual.*`) of either format.
 """
 
 from convert.errors import ConvertError
-from convert.readers import open_checkpoint, read_checkpoint
+from convert.readers import open_checkpoint, read_checkpoint, read_vision
 from convert.spec import expected_tensors, ngram_table_shape
 
 
@@ -22,5 +23,5 @@ def convert(src, dst, **kw):
     return _convert(src, dst, **kw)
 
 
-__all__ = ["ConvertError", "read_checkpoint", "load_converted", "convert", "open_checkpoint", "expected_tensors",
-           "ngram_table_shape"]
+__all__ = ["ConvertError", "read_checkpoint", "read_vision", "load_converted", "convert", "open_checkpoint",
+           "expected_tensors", "ngram_table_shape"]

@@ -32,7 +32,8 @@ from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight, pack
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                   "generation_config.json", "tokenizer.model")
+                   "generation_config.json", "tokenizer.model",
+                   "preprocessor_config.json")  # copied as they are (the last: the image preprocessing)
 
 QUANT_PARAMS = {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
                 "qweight", "qzeros", "scales", "g_idx", "weight_scale_inv"}
@@ -44,13 +45,21 @@ FAST_PATHS = True  # uint8 fast paths for symmetric 4/8-bit sources (tests check
 
 
 def canonical_name(src: str) -> str | None:
-    """HF name -> canonical name; None for tensors the text model does not use (vision)."""
-    if src.startswith("model.visual.") or src.startswith("visual."):
+    """HF name -> canonical name; None for tensors the text model does not use (vision: `vision_name`)."""
+    if vision_name(src) is not None:
         return None
     for p in ("model.language_model.", "model."):
         if src.startswith(p):
             return src[len(p):]
     return src
+
+
+def vision_name(src: str) -> str | None:
+    """HF name of a vision-tower tensor -> its canonical name `visual.<name within the tower>`; None for others."""
+    for p in ("model.visual.", "visual."):
+        if src.startswith(p):
+            return "visual." + src[len(p):]
+    return None
 
 
 def target_bits(bits: int, symmetric: bool) -> int:
@@ -651,7 +660,11 @@ class Checkpoint:
         modules_q: dict[str, dict[str, TensorInfo]] = {}
         plain: dict[str, TensorInfo] = {}
         ngram: dict[str, dict] = {}
+        vision: dict[str, TensorInfo] = {}
         for src, t in self.files.items():
+            if vision_name(src) is not None:
+                vision[src] = t
+                continue
             c = canonical_name(src)
             if c is None or IGNORED.search(src):
                 continue
@@ -709,8 +722,9 @@ class Checkpoint:
             return (order.get(g, (1, int(g.split("_")[1]) if g.startswith("layer_") else 0)), e.name)
 
         entries.sort(key=key)
+        self.vision = self._vision_entries(vision)
         seen = set()
-        for e in entries:
+        for e in entries + self.vision:
             if e.name in seen:
                 raise ConvertError(f"duplicate tensor {e.name} (from {', '.join(e.sources)})")
             seen.add(e.name)
@@ -745,6 +759,34 @@ class Checkpoint:
                 raise ConvertError(f"missing tensor {canon}.weight_scale for the fp8 n-gram table")
             rows = sum(p.shape[0] for p in parts)
             self.ngram = NgramSource(canon, parts, scale, (rows, width[0]), dt)
+
+    def _vision_entries(self, files: dict[str, TensorInfo]) -> list[Entry]:
+        """The vision tower's tensors (canonical `visual.*`, group "vision"), kept unquantized: the release keeps
+        the tower so and `vision.py` has no quantized path. Plain tensors stay byte-identical; a block-FP8 linear is
+        dequantised to bf16 like the text model's; any other quantized vision module is refused by name."""
+        modules_q: dict[str, dict[str, TensorInfo]] = {}
+        for src, t in files.items():
+            module, _, param = src.rpartition(".")
+            if param in QUANT_PARAMS:
+                modules_q.setdefault(module, {})[param] = t
+        entries = []
+        for src, t in files.items():
+            module, _, param = src.rpartition(".")
+            if param in QUANT_PARAMS or (module in modules_q and param == "weight"):
+                continue  # a quantized module's parts (its bias, if any, stays a plain tensor)
+            if t.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+                raise ConvertError(f"missing tensor {module}.weight_scale_inv for fp8 weight {src}")
+            entries.append(Entry(vision_name(src), t.shape, t.dtype, None, t.nbytes, [src], t.read))
+        for module, p in modules_q.items():
+            if f"{module}.weight" in files:
+                p = {**p, "weight": files[f"{module}.weight"]}
+            src = self.scheme.linear(module, p)
+            if src.quant is not None:
+                raise ConvertError(f"unsupported: quantized vision tower module {module} (the tower is kept "
+                                   "unquantized; the release does not quantize it)")
+            entries.append(Entry(vision_name(module) + ".weight", (src.n, src.k), src.dtype, None, src.nbytes,
+                                 [f"{module}.{k}" for k in sorted(p)], src.dense))
+        return sorted(entries, key=lambda e: e.name)
 
     def _validate(self) -> None:
         has_mtp = any(e.name.startswith("mtp.") for e in self.entries)
@@ -791,7 +833,8 @@ class Checkpoint:
 
     @property
     def source_bytes(self) -> int:
-        return sum(e.source_bytes for e in self.entries) + (self.ngram.nbytes if self.ngram else 0)
+        return (sum(e.source_bytes for e in self.entries + self.vision)
+                + (self.ngram.nbytes if self.ngram else 0))
 
 
 def open_checkpoint(path: str) -> Checkpoint:
@@ -811,3 +854,15 @@ def read_checkpoint(path: str):
     ck = open_checkpoint(path)
     table = ck.ngram.table() if ck.ngram else None
     return ck.hf_config, ck.tensors(), table, (ck.ngram.scale if ck.ngram else None)
+
+
+def read_vision(path: str) -> dict[str, np.ndarray]:
+    """The vision tower's tensors of an HF directory or a directory written by `python -m convert`, by canonical
+    name (`visual.<name within the tower>`, e.g. `visual.blocks.0.attn.qkv.weight`), in their stored dtype;
+    empty when the checkpoint has none. Kept apart from `read_checkpoint`'s text-model stream: only a model that
+    takes images loads them."""
+    from convert import writer
+
+    if writer.is_converted(path):
+        return writer.load_converted_vision(path)
+    return {e.name: e.load() for e in open_checkpoint(path).vision}

@@ -61,7 +61,10 @@ def layer_group(i: int) -> str:
 
 
 def group_of(name: str) -> str:
-    """The write/stage group of a canonical name (also for names outside the expected set)."""
+    """The write/stage group of a canonical name (also for names outside the expected set). The vision tower
+    ("vision") belongs with the embeddings' stage: its rows replace image pads' embeddings."""
+    if name.startswith("visual."):
+        return "vision"
     if name.startswith("mtp."):
         return "mtp"
     if name.startswith("layers."):

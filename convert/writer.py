@@ -5,7 +5,8 @@ DST/
   config.json, tokenizer files     copied from the source
   stage_{s}/stage.json             the stage's slice of the manifest (a stage directory is self-describing)
   stage_{s}/weights/{group}/       one Orbax (PyTreeCheckpointer) checkpoint per group: "embed", "layer_007",
-                                   "head", "mtp"; a flat dict canonical_name -> array, or for a QuantizedWeight
+                                   "head", "mtp", "vision" (the vision tower, unquantized, in the first stage);
+                                   a flat dict canonical_name -> array, or for a QuantizedWeight
                                    canonical_name -> {"planes": [p0, (p1)], "scales": s}
   stage_{s}/ngram/part_{i}.bin     the n-gram table, raw row-major [rows_i, width] parts, in the stage of the PLE layer
 
@@ -85,7 +86,7 @@ def plan_stages(pp_partition: list[int] | None, num_layers: int) -> list[dict]:
 
 
 def stage_of_group(group: str, stages: list[dict]) -> int:
-    if group == "embed":
+    if group in ("embed", "vision"):
         return 0
     if group in ("head", "mtp"):
         return len(stages) - 1
@@ -230,7 +231,7 @@ def _write(ck: Checkpoint, tmp: str, stages: list[dict], digests: bool, progress
         groups.append({"name": group, "stage": s, "path": rel, "tensors": list(tree)})
 
     cur, tree, pending = None, {}, 0
-    for e in ck.entries:
+    for e in ck.entries + ck.vision:  # the vision tower last, as its own group
         if e.group != cur or pending >= FLUSH_BYTES:  # a group is saved in parts of ~FLUSH_BYTES
             if tree:
                 flush(cur, tree)
@@ -270,7 +271,7 @@ def _write(ck: Checkpoint, tmp: str, stages: list[dict], digests: bool, progress
                    "quantization_config": ck.hf_config.get("quantization_config"),
                    "tensors": len(ck.files), "bytes": ck.source_bytes},
         "hf_config": ck.hf_config, "num_layers": ck.text_config["num_hidden_layers"],
-        "has_mtp": any(n.startswith("mtp.") for n in tensors),
+        "has_mtp": any(n.startswith("mtp.") for n in tensors), "has_vision": bool(ck.vision),
         "stages": stages, "groups": groups, "tensors": tensors, "ngram_table": ngram,
         "tokenizer_files": ck.tokenizer_files, "digests": digests,
     }
@@ -403,7 +404,7 @@ def load_converted(path: str, stages: list[int] | None = None):
     stage is included."""
     m = read_manifest(path)
     sel = set(range(len(m["stages"]))) if stages is None else set(stages)
-    groups = [g for g in m["groups"] if g["stage"] in sel]
+    groups = [g for g in m["groups"] if g["stage"] in sel and g["name"] != "vision"]  # text model only
 
     def it():
         for g in groups:
@@ -413,6 +414,16 @@ def load_converted(path: str, stages: list[int] | None = None):
     if m.get("ngram_table") and m["ngram_table"]["stage"] in sel:
         table, scale = ngram_table(path, m)
     return m["hf_config"], it(), table, scale
+
+
+def load_converted_vision(path: str) -> dict[str, np.ndarray]:
+    """The vision tower's tensors of a converted checkpoint (canonical `visual.*` names; empty without one)."""
+    m = read_manifest(path)
+    out: dict[str, np.ndarray] = {}
+    for g in m["groups"]:
+        if g["name"] == "vision":
+            out.update(iter_group(path, m, g))
+    return out
 
 
 def verify_converted(path: str, progress: bool = False) -> None:

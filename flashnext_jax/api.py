@@ -57,8 +57,8 @@ def _step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _mtp_step(params, cfg, hyper, next_tokens, start, n_valid, cache):
-    return mtp_forward(params, cfg, hyper, next_tokens, start, n_valid, cache)
+def _mtp_step(params, cfg, hyper, next_tokens, start, n_valid, cache, mrope=None, image_embeds=None, image_mask=None):
+    return mtp_forward(params, cfg, hyper, next_tokens, start, n_valid, cache, mrope, image_embeds, image_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,29 +178,44 @@ class Model:
         logits, _, _ = _step(self.params, self.cfg, batch, state, False)
         return np.asarray(logits[0, :t], np.float32)
 
-    def hidden_and_logits(self, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """-> (pre-final-mixer hyper state [T, S*H], logits [T, V]) for one sequence (used by MTP tests)."""
+    def hidden_and_logits(self, token_ids: Sequence[int], images: ImageInput | None = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """-> (pre-final-mixer hyper state [T, S*H], logits [T, V]) for one sequence (used by MTP tests); `images`
+        as in `logits`."""
         ids = self.check_tokens(token_ids)
         length = _bucket(len(ids))
         state = init_state(self.cfg, 1, length, self.dtype)
-        logits, hyper, _ = _step(self.params, self.cfg, self._batch(ids, 0, length, None), state, False)
+        batch = self._batch(ids, 0, length, None)
+        if images is not None:
+            batch = batch.replace(**self._image_fields(ids, images, length, state.kv_k.shape[2]))
+        logits, hyper, _ = _step(self.params, self.cfg, batch, state, False)
         return np.asarray(hyper[0, : len(ids)]), np.asarray(logits[0, : len(ids)], np.float32)
 
-    def mtp_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """MTP draft logits [T-1, V]: row p predicts token p+2 from hidden p and token p+1 (teacher-forced)."""
+    def mtp_logits(self, token_ids: Sequence[int], images: ImageInput | None = None) -> np.ndarray:
+        """MTP draft logits [T-1, V]: row p predicts token p+2 from hidden p and token p+1 (teacher-forced). With
+        `images` (as in `logits`; tokens after the prompt are text) row p sits at the main model's 3-D position of
+        index p, and a pad token p+1 enters as the tower's row (mtp.py)."""
         if not self.has_mtp:
             raise ValueError("this checkpoint has no MTP tensors")
         ids = self.check_tokens(token_ids)
         t = len(ids)
-        hyper, _ = self.hidden_and_logits(ids)
+        hyper, _ = self.hidden_and_logits(ids, images)
         length = _bucket(t)
         hyper_p = np.zeros((1, length, hyper.shape[-1]), hyper.dtype)
         hyper_p[0, : t - 1] = hyper[: t - 1]
         nxt = np.zeros((1, length), np.int32)
         nxt[0, : t - 1] = ids[1:]
         cache = init_mtp_cache(self.cfg, 1, length, self.dtype)
+        image = {}
+        if images is not None:  # the fields of ids, shifted one left: row p holds token p + 1's
+            fields = self._image_fields(ids, images, length, cache[0].shape[1])
+
+            def shifted(a):
+                return jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)
+            image = dict(mrope=fields["mrope"], image_embeds=shifted(fields["image_embeds"]),
+                         image_mask=shifted(fields["image_mask"]))
         logits, _, _ = _mtp_step(self.params, self.cfg, jnp.asarray(hyper_p), jnp.asarray(nxt),
-                                 jnp.zeros((1,), jnp.int32), jnp.asarray([t - 1], jnp.int32), cache)
+                                 jnp.zeros((1,), jnp.int32), jnp.asarray([t - 1], jnp.int32), cache, **image)
         return np.asarray(logits[0, : t - 1], np.float32)
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32, *, stop_at_eos: bool = False,
@@ -285,13 +300,14 @@ def _consume(tensors: dict):
 
 
 def _load_vision(path: Path, dtype) -> VisionTower | None:
-    """The checkpoint's vision tower (unquantized, as the release keeps it), or None if it has none."""
+    """The checkpoint's vision tower (unquantized, as the release keeps it; an HF directory or a converted one),
+    or None if it has none."""
     from .vision import load_vision_params
     from .vision_preprocess import load_processor_config
 
     hf = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    if "vision_config" not in hf or "image_token_id" not in hf or not any(path.glob("*.safetensors")):
-        return None  # text-only, or our converted format (the converter does not keep model.visual.* yet)
+    if "vision_config" not in hf or "image_token_id" not in hf:
+        return None  # text-only
     loaded = load_vision_params(path, dtype)
     if loaded is None:
         return None

@@ -594,8 +594,6 @@ class Engine:
         if images is not None:
             if not hasattr(self.runner, "encode_images"):
                 raise ValueError(f"request {request_id}: this model takes no images")
-            if params.prompt_logprobs is not None:
-                raise ValueError(f"request {request_id}: prompt logprobs of an image prompt are not supported yet")
             req.images = self.runner.encode_images(prompt, images)  # ValueError: pads and images disagree
             req.slot_values = self.runner.image_slot_values(req.images)
         if params.prompt_logprobs is not None:

@@ -182,15 +182,21 @@ def decoder_stack(layer_params, cfg: ModelConfig, layers: range, x, ple_rows, po
     return x, out
 
 
-def embed_hyper(params: dict, cfg: ModelConfig, tokens: jax.Array, image_embeds: jax.Array | None = None,
-                image_mask: jax.Array | None = None) -> jax.Array:
-    """Token embeddings widened to the hc_count-stream hyper state [B, T, S*H] the decoder layers carry. With image
-    input the pad tokens' embeddings are the vision tower's rows image_embeds [B, T, H] where image_mask [B, T]
-    (PLE still hashes the pad ids)."""
+def embed_inputs(params: dict, tokens: jax.Array, image_embeds: jax.Array | None = None,
+                 image_mask: jax.Array | None = None) -> jax.Array:
+    """Input embeddings [B, T, H]: the token embeddings, with image input the vision tower's rows image_embeds
+    [B, T, H] where image_mask [B, T] (the pads). The main model and the MTP head both read their tokens so."""
     rows = embed(params, tokens)
     if image_embeds is not None:
         rows = jnp.where(image_mask[..., None], image_embeds.astype(rows.dtype), rows)
-    return jnp.tile(rows, (1, 1, cfg.hc_count))
+    return rows
+
+
+def embed_hyper(params: dict, cfg: ModelConfig, tokens: jax.Array, image_embeds: jax.Array | None = None,
+                image_mask: jax.Array | None = None) -> jax.Array:
+    """Input embeddings (`embed_inputs`) widened to the hc_count-stream hyper state [B, T, S*H] the decoder layers
+    carry (PLE still hashes the pad ids)."""
+    return jnp.tile(embed_inputs(params, tokens, image_embeds, image_mask), (1, 1, cfg.hc_count))
 
 
 def forward_hidden(params: dict, cfg: ModelConfig, batch: Batch, state: State):

@@ -4,6 +4,12 @@ Follows SGLang/vLLM (transformers has no MTP): at position p it combines the mai
 state h_p with the embedding of token p+1, runs one QSA decoder layer (own KV/index cache, RoPE position p, no PLE)
 and reads logits through its own final mixer and the shared lm_head. Chained drafts feed the layer's output
 (pre-mixer) back as h.
+
+Image prompts (transformers has no MTP head; this follows vLLM's drafter for the multimodal Qwen3.5 MTP, which
+passes the target's MRoPE positions and reads multimodal embeddings one position ahead): the layer reads its inputs
+as the main model does. Its RoPE position p is the main model's 3-D (MRoPE)
+position of cache index p (an image's pads on their grid, p + rope_delta after the images), and the embedding of a
+next token that is an image pad is the vision tower's row for it, not the pad's token embedding.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .hyper import hyper_read, hyper_write
 from .layers import linear, rms_norm
-from .model import embed, final_logits
+from .model import embed_inputs, final_logits
+from .mrope import MRope
 from .moe import moe_forward
 from .qsa import qsa_forward
 
@@ -25,9 +32,12 @@ def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
     return kv, kv, jnp.zeros((batch, max_len, cfg.indexer_head_dim or 1), dtype)
 
 
-def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_valid, cache):
+def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_valid, cache,
+                mrope: MRope | None = None, image_embeds=None, image_mask=None):
     """hyper [B, T, S*H] at positions start..; next_tokens [B, T] = the token after each position.
 
+    Image input: `mrope` (an mrope.MRope table or SpanRope spans) gives the positions' 3-D rotary positions, and
+    image_embeds [B, T, H] replace the embeddings of next tokens where image_mask [B, T] (pads).
     Returns (draft logits [B, T, V] fp32, layer output [B, T, S*H] for chaining, new cache).
     """
     mp = params["mtp"]
@@ -37,14 +47,14 @@ def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_val
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
 
     h_normed = rms_norm(hyper, mp["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # ONE norm over all S*H features
-    e_normed = rms_norm(embed(params, next_tokens).astype(hyper.dtype), mp["pre_fc_norm_embedding"],
-                        cfg.rms_norm_eps)
+    e_normed = rms_norm(embed_inputs(params, next_tokens, image_embeds, image_mask).astype(hyper.dtype),
+                        mp["pre_fc_norm_embedding"], cfg.rms_norm_eps)
     x = linear(h_normed.reshape(bsz, t, s, h), mp["fc_hidden"]) + linear(e_normed, mp["fc_embedding"])[:, :, None]
     x = x.reshape(bsz, t, s * h)
 
     lp = mp["layers"][0]
     u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
-    y, cache = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache)
+    y, cache = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache, mrope)
     x = hyper_write(x, y, gains)
     u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
     x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)

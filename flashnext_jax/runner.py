@@ -127,8 +127,6 @@ class RealRunner:
         request's prefill -> request_images.RequestImages."""
         if not self.max_images:
             raise ValueError("this checkpoint has no vision tower (model.visual.* and vision_config)")
-        if self.k:  # the MTP layer still rotates by text positions (runner._mtp)
-            raise ValueError("image prompts with speculative decoding (MTP) are not supported yet")
         return encode_images(self.model.vision, prompt, images, self.dtype, self.max_images)
 
     def image_slot_values(self, images) -> dict[str, np.ndarray]:
@@ -267,7 +265,8 @@ class RealRunner:
             logits = final_logits(params, cfg, h_tail)  # [B, K1, V]
             if self.k:
                 cols["mtp_h"] = h_tail
-                store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L)
+                store, dlogits = self._mtp(params, store, batch, st["mtp_h"], hyper, h_tail, logits, tail, live, L,
+                                           mrope)
             else:
                 dlogits = jnp.zeros((B, K1, 0, cfg.vocab_size), jnp.float32)
         if in_place:
@@ -281,9 +280,11 @@ class RealRunner:
             out["hidden"] = hyper
         return store, out
 
-    def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L):
+    def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L, mrope=None):
         """MTP: fold this step's pairs (h_{q-1}, e_q) into the MTP cache (page position q, RoPE position q - 1) and
-        draft k tokens after each tail column without writing the cache."""
+        draft k tokens after each tail column without writing the cache. In an image step (`mrope`: the rows'
+        spans) the RoPE positions are those indices' 3-D positions, as the main model's, and a pad token q enters
+        its pair as the tower's row (mtp.py); drafts are generated tokens, never an image's."""
         cfg, k = self.cfg, self.k
         B, T = batch.tokens.shape
         K1 = tail.shape[1]
@@ -295,7 +296,12 @@ class RealRunner:
         pvalid = j < n_pairs[:, None]
         prev = jnp.concatenate([mtp_h[:, None], hyper], axis=1)  # prev[:, i] = h at position start - 1 + i
         h_prev = _take_tokens(prev, jnp.minimum(q - start[:, None], T))
-        e_tok = _take_tokens(tokens, jnp.minimum(q - start[:, None], T - 1))
+        at = jnp.minimum(q - start[:, None], T - 1)  # row offset of each pair's token q
+        e_tok = _take_tokens(tokens, at)
+        image = {}
+        if mrope is not None:
+            image = dict(image_embeds=_take_tokens(batch.host["image_embeds"], at),
+                         image_mask=_take_tokens(batch.host["image_mask"], at))
         ratio = cfg.indexer_compress_ratio or 1
 
         length = -(-(L + k) // ratio) * ratio  # room for the chained draft keys past the last page position
@@ -307,7 +313,7 @@ class RealRunner:
 
         cache = tuple(dense(n) for n in ("mtp_k", "mtp_v", "mtp_index"))
         ref_start = start + off - 1
-        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs, cache)
+        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs, cache, mrope, **image)
         rpos = jnp.clip(q - 1, 0, cache[0].shape[1] - 1)
         wvalid = pvalid & live[:, None]
         for name, a in zip(("mtp_k", "mtp_v", "mtp_index"), cache):
@@ -322,7 +328,7 @@ class RealRunner:
             y = jnp.argmax(logits[:, c], axis=-1).astype(jnp.int32)
             cc, col = cache, []
             for i in range(k):
-                dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc)
+                dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc, mrope)
                 col.append(dl[:, 0])
                 y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
             out.append(jnp.stack(col, 1))

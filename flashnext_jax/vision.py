@@ -68,24 +68,24 @@ def vision_config(hf: dict) -> VisionConfig | None:
 
 
 def load_vision_params(path: str | Path, dtype) -> tuple[VisionConfig, dict] | None:
-    """(config, params) of a checkpoint's `model.visual.*` tensors, or None when it has no vision tower."""
-    from convert.safetensors_io import open_checkpoint_files
+    """(config, params) of a checkpoint's vision tower (`model.visual.*` of an HF directory, the "vision" group of a
+    converted one: `convert.read_vision`), or None when it has none."""
+    from convert import read_vision
 
     path = Path(path)
     cfg = vision_config(json.loads((path / "config.json").read_text()))
     if cfg is None:
         return None
-    infos = {n[len("model.visual."):]: t for n, t in open_checkpoint_files(str(path)).items()
-             if n.startswith("model.visual.")}
-    if not infos:
+    tensors = read_vision(str(path))
+    if not tensors:
         return None
     params: dict = {}
-    for name, info in infos.items():
+    for name, value in tensors.items():
         node = params
-        *parents, leaf = name.split(".")
+        *parents, leaf = name[len("visual."):].split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = jnp.asarray(np.asarray(info.read(), np.float32), dtype)
+        node[leaf] = jnp.asarray(np.asarray(value, np.float32), dtype)
     params["blocks"] = [params["blocks"][str(i)] for i in range(cfg.depth)]
     w = params["patch_embed"]["proj"]["weight"]  # Conv3d [D, C, T, P, P] -> [D, C*T*P*P]
     params["patch_embed"]["proj"]["weight"] = w.reshape(w.shape[0], -1)

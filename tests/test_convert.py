@@ -221,8 +221,11 @@ def test_manifest_and_pp_partition_layout(converted):
     info = m["tensors"]["layers.0.mlp.experts.gate_up_proj"]
     assert info["kind"] == "quantized" and info["quant"]["bits"] == 4 and info["shape"] == [8, 64, 64]
     groups = {g["name"]: g["stage"] for g in m["groups"]}
-    assert groups == {"embed": 0, "layer_000": 0, "layer_001": 0, "layer_002": 1, "layer_003": 1, "head": 1, "mtp": 1}
-    assert sorted(os.listdir(os.path.join(converted, "stage_0", "weights"))) == ["embed", "layer_000", "layer_001"]
+    assert groups == {"embed": 0, "layer_000": 0, "layer_001": 0, "layer_002": 1, "layer_003": 1, "head": 1, "mtp": 1,
+                      "vision": 0}
+    assert sorted(os.listdir(os.path.join(converted, "stage_0", "weights"))) == ["embed", "layer_000", "layer_001",
+                                                                                 "vision"]
+    assert m["tensors"]["visual.blocks.0.attn.qkv.weight"]["kind"] == "plain"  # a quantized source's tower
     assert sorted(os.listdir(os.path.join(converted, "stage_1", "weights"))) == ["head", "layer_002", "layer_003", "mtp"]
     assert m["ngram_table"]["stage"] == 0 and os.path.exists(os.path.join(converted, m["ngram_table"]["parts"][0]["file"]))
     st1 = json.load(open(os.path.join(converted, "stage_1", "stage.json")))
@@ -373,3 +376,62 @@ def test_auto_awq_equals_library():
         np.testing.assert_array_equal(np.asarray(dequantize(qw)).T, ref, err_msg=name)
         n += 1
     assert n >= 3
+
+
+def test_converted_demo_model_keeps_its_vision_tower_and_load_finds_it(tmp_path):
+    """model.visual.* is kept byte for byte (unquantized, source dtype) in a "vision" group of the first stage with
+    preprocessor_config.json beside it, and load() of the converted directory has the tower: its embeddings and
+    an image chat's logits equal the unconverted model's (float32, bit for bit)."""
+    import flashnext_jax as fj
+    from convert import read_vision
+    from flashnext_jax.api import DEMO_MODEL, ImageInput
+
+    dst = str(tmp_path / "out")
+    manifest = convert(str(DEMO_MODEL), dst, verify=True, progress=False)
+    index = json.load(open(DEMO_MODEL / "model.safetensors.index.json"))["weight_map"]
+    source = {n: SafetensorsFile(str(DEMO_MODEL / f)).tensors[n].read() for n, f in index.items()
+              if n.startswith("model.visual.")}
+    kept = read_vision(dst)
+    assert source and set(kept) == {"visual." + n[len("model.visual."):] for n in source}
+    for n, a in source.items():
+        b = kept["visual." + n[len("model.visual."):]]
+        assert a.dtype == b.dtype == ml_dtypes.bfloat16 and a.shape == b.shape and a.tobytes() == b.tobytes()
+    info = [t for n, t in manifest["tensors"].items() if n.startswith("visual.")]
+    assert len(info) == len(source) and all(t["kind"] == "plain" and t["stage"] == 0 for t in info)
+    assert manifest["has_vision"] and not any(n.startswith("visual.") for n, _ in load_converted(dst)[1])
+    for f in ("preprocessor_config.json", "chat_template.jinja"):
+        assert open(os.path.join(dst, f), "rb").read() == open(DEMO_MODEL / f, "rb").read()
+
+    ref = np.load(os.path.join(os.path.dirname(FIX), "reference_vision.npz"))
+    ids, images = ref["chat/one_image/ids"].tolist(), ImageInput(ref["chat/one_image/pixel_values"],
+                                                                 ref["chat/one_image/grid_thw"])
+    hf, ours = fj.load(DEMO_MODEL, dtype="float32"), fj.load(dst, dtype="float32")
+    assert ours.vision is not None and ours.vision.processor == hf.vision.processor
+    np.testing.assert_array_equal(np.asarray(ours.image_embeddings(images)), np.asarray(hf.image_embeddings(images)))
+    np.testing.assert_array_equal(ours.logits(ids, images), hf.logits(ids, images))
+
+
+def test_block_fp8_vision_linear_is_dequantised_like_the_text_model(tmp_path):
+    """A block-FP8 source's vision linear becomes bf16(fp8 * scale_inv) (our tower has no FP8 path); its bias, a
+    plain tensor, stays as stored."""
+    from convert import read_vision
+    from convert.testing import write_safetensors
+
+    src = str(tmp_path / "src")
+    write_synthetic_checkpoint(src, tiny_text_config(), "fp8")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 16)).astype(ml_dtypes.float8_e4m3fn)
+    parts = {"model.visual.merger.linear_fc2.weight": w,
+             "model.visual.merger.linear_fc2.weight_scale_inv": np.array([[0.5]], np.float32),
+             "model.visual.merger.linear_fc2.bias": rng.standard_normal(8).astype(ml_dtypes.bfloat16)}
+    write_safetensors(os.path.join(src, "visual.safetensors"), [(n, v.dtype, v.shape, lambda v=v: v)
+                                                                for n, v in parts.items()])
+    index = os.path.join(src, "model.safetensors.index.json")
+    d = json.load(open(index))
+    d["weight_map"].update({n: "visual.safetensors" for n in parts})
+    json.dump(d, open(index, "w"))
+    got = read_vision(src)
+    assert set(got) == {"visual.merger.linear_fc2.weight", "visual.merger.linear_fc2.bias"}
+    want = (w.astype(np.float32) * 0.5).astype(ml_dtypes.bfloat16)
+    assert got["visual.merger.linear_fc2.weight"].tobytes() == want.tobytes()
+    assert got["visual.merger.linear_fc2.bias"].tobytes() == parts["model.visual.merger.linear_fc2.bias"].tobytes()

@@ -86,6 +86,19 @@ def asymmetric(src):  # gptq fixture: declare the 8-bit shared experts asymmetri
     _edit_json(os.path.join(src, "config.json"), f)
 
 
+def quantized_vision(src):  # a vision linear the config quantizes (6-bit g64 group): the tower stays unquantized
+    module = "model.visual.merger.linear_fc1"
+    _edit_json(os.path.join(src, "config.json"),
+               lambda d: d["quantization_config"]["config_groups"]["group_0"]["targets"].append(module))
+    parts = {f"{module}.weight_packed": np.zeros((8, 12), np.int32),
+             f"{module}.weight_scale": np.ones((8, 1), np.float16),
+             f"{module}.weight_shape": np.array([8, 64], np.int64)}
+    write_safetensors(os.path.join(src, "extra-test.safetensors"),
+                      [(n, v.dtype, v.shape, lambda v=v: v) for n, v in parts.items()])
+    _edit_json(os.path.join(src, "model.safetensors.index.json"),
+               lambda d: d["weight_map"].update({n: "extra-test.safetensors" for n in parts}))
+
+
 CASES = [
     ("truncated", "ct", truncated, "truncated shard model-00002-of-00002.safetensors"),
     ("missing", "ct", missing, "missing tensor layers.2.linear_attn.A_log"),
@@ -94,6 +107,7 @@ CASES = [
     ("method", "ct", bad_method, "unsupported quant_method 'bitsandbytes'"),
     ("bits", "ct", bad_bits, "unsupported bits"),
     ("asymmetric", "gptq", asymmetric, "asymmetric 8-bit"),
+    ("quantized_vision", "ct", quantized_vision, "quantized vision tower module model.visual.merger.linear_fc1"),
 ]
 
 

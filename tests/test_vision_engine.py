@@ -6,7 +6,7 @@ reference_tiny.* (a text prompt), and each request run alone. The demo model's r
 greedy tokens (one_image's text answers the same with either image), so requests with other images are told apart
 by their tokens' logprobs. Every engine here shares one runner and
 one shape configuration (chunks of CHUNK tokens, one page-table width), so the model step compiles once per
-kind (prefill / decode, with / without images).
+kind (prefill / decode, with / without images, with / without MTP).
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ _STATE: dict = {}
 def model():
     if "model" not in _STATE:
         _STATE["model"] = fj.load(dtype="float32")
-        _STATE["runner"] = RealRunner(_STATE["model"], 0)
+        _STATE["runners"] = {0: RealRunner(_STATE["model"], 0), 1: RealRunner(_STATE["model"], 1)}
         _STATE["tokenizer"] = Tokenizer.from_dir(DEMO_MODEL)
     return _STATE["model"]
 
 
-def llm(**kw) -> fj.LLM:
+def llm(k: int = 0, **kw) -> fj.LLM:
+    """An engine of the shared shapes; k = 1: speculative decoding with the MTP head, one draft token."""
     model()
-    return fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], max_num_seqs=3, **SHAPES, **kw)
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    return fj.LLM(_STATE["runners"][k], tokenizer=_STATE["tokenizer"], max_num_seqs=3, speculative_config=spec,
+                  **SHAPES, **kw)
 
 
 def fixture_chat(chat: str) -> dict:
@@ -59,11 +62,25 @@ def other_image_chat() -> dict:
             "multi_modal_data": {"image": [Image.fromarray(REF["image/square"])]}}
 
 
-def solo(name: str, prompt):
+def solo(name: str, prompt, k: int = 0):
     """The prompt's RequestOutput run alone in an engine of the same shapes (cached per test session)."""
-    key = ("solo", name)
+    key = ("solo", name, k)
     if key not in _STATE:
-        _STATE[key] = llm().generate(prompt, GREEDY)[0]
+        _STATE[key] = llm(k).generate(prompt, GREEDY)[0]
+    return _STATE[key]
+
+
+def solo_mtp_drafts(chat: str):
+    """A fixture chat run alone with MTP, and the drafts the head proposed: (tokens known, draft) per proposal."""
+    key = ("drafts", chat)
+    if key not in _STATE:
+        lm, proposals = llm(1), []
+
+        def hook(req, proposed):
+            proposals.append((list(req.tokens), proposed[0]))
+            return proposed
+        lm.engine.draft_hook = hook
+        _STATE[key] = lm.generate(fixture_chat(chat), GREEDY)[0], proposals
     return _STATE[key]
 
 
@@ -133,6 +150,51 @@ def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
     assert a.token_ids == REF["chat/one_image/generated"].tolist() and same_run(again, a)
     assert other.metrics["num_cached_tokens"] <= first_pad  # no block holding pads of another image
     assert same_run(other, solo("square", other_image_chat())) and other_image(other, a)
+
+
+@pytest.mark.parametrize("chat", ["one_image", "two_images"])
+def test_image_chat_with_mtp_equals_transformers_and_the_run_without_mtp(chat):
+    out, proposals = solo_mtp_drafts(chat)
+    assert out.token_ids == REF[f"chat/{chat}/generated"].tolist()
+    assert same_run(out, solo(chat, fixture_chat(chat)))
+    assert out.metrics["num_drafts"] > 0 and proposals  # the MTP head drafted (accepted or not)
+
+
+def test_mtp_drafts_of_an_image_chat_are_the_one_shot_mtp_argmax_at_3d_positions():
+    """The engine's drafts equal the teacher-forced MTP head of Model.mtp_logits (dense cache, a position table
+    instead of the slot's spans, pad tokens read as the tower's rows). With the MTP layer at text positions or
+    reading the pads' token embeddings, drafts of this chat differ (checked by hand)."""
+    m = model()
+    images = fixture_chat("two_images")["images"]
+    _, proposals = solo_mtp_drafts("two_images")
+    for tokens, draft in proposals:
+        ref = m.mtp_logits(tokens, images)[-1]
+        assert ref[draft] >= ref.max() - 1e-4, (len(tokens), draft, int(ref.argmax()))
+
+
+def test_image_and_text_requests_batched_under_mtp_each_equal_their_solo_run():
+    text = TEXT["short/ids"].tolist()
+    outs = llm(1).generate([fixture_chat("one_image"), text, other_image_chat()], GREEDY)
+    assert same_run(outs[0], solo_mtp_drafts("one_image")[0])
+    assert outs[0].token_ids == REF["chat/one_image/generated"].tolist()
+    assert same_run(outs[1], solo("text", text, k=1))
+    assert outs[1].token_ids == TEXT["short/generated"][: GREEDY.max_tokens].tolist()
+    assert same_run(outs[2], solo("square", other_image_chat(), k=1)) and other_image(outs[2], outs[0])
+
+
+def test_prompt_logprobs_of_an_image_chat_equal_transformers_log_softmax():
+    """Every prompt position's logprob and top-2 from transformers' fp32 logits of the fixture chat, with the
+    chunks splitting the image (the step's hidden states already hold the tower's rows and the 3-D positions)."""
+    params = fj.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    (out,) = llm().generate(fixture_chat("one_image"), params)
+    ids, logits = REF["chat/one_image/ids"], REF["chat/one_image/logits"].astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    ref = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        got, want = out.prompt_logprobs[pos], ref[pos - 1]
+        assert got.token_id == ids[pos] and abs(got.logprob - want[ids[pos]]) < 1e-4, pos
+        np.testing.assert_allclose([x for _, x in got.top], np.sort(want)[::-1][:2], atol=1e-4)
 
 
 def test_image_requests_are_refused_clearly():
