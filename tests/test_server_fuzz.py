@@ -31,7 +31,7 @@ def test_no_endpoint_answers_5xx(api_schema):
         generating = op.path in ("/v1/completions", "/v1/chat/completions")
 
         @given(case=op.as_strategy())
-        @settings(max_examples=100 if generating else 25, deadline=None, suppress_health_check=list(HealthCheck),
+        @settings(max_examples=200 if generating else 25, deadline=None, suppress_health_check=list(HealthCheck),
                   database=None, derandomize=True)  # the same examples every run: a pass is not luck
         def no_5xx(case):
             response = case.call(timeout=120)

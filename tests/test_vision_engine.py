@@ -227,9 +227,9 @@ def test_llm_chat_takes_openai_image_parts_and_pil_images():
 def test_image_limits_are_checked_before_the_images_are_used():
     model()
     with pytest.raises(ValueError, match="image slots"):  # more than the runner was built for
-        fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"image": 9}, **SHAPES)
+        fj.LLM(_STATE["runners"][0], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"image": 9}, **SHAPES)
     with pytest.raises(ValueError, match="images only"):
-        fj.LLM(_STATE["runner"], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"video": 1}, **SHAPES)
+        fj.LLM(_STATE["runners"][0], tokenizer=_STATE["tokenizer"], limit_mm_per_prompt={"video": 1}, **SHAPES)
     lm = llm(limit_mm_per_prompt={"image": 1}, max_image_pixels=64 * 64)
     with pytest.raises(ValueError, match=r"at most 1 image\(s\)"):
         lm.generate({"prompt": META["chats"]["two_images"]["text"],
