@@ -613,6 +613,21 @@ class Engine:
             self.ledger.flush()
             self.grammars.pop(request_id, None)
 
+    def free_request(self, request_id: str):
+        """Forget a finished request: its record (prompt, output, logprobs, metrics) is dropped once the caller has
+        its output, so a long-running server holds only live requests (its slot and pages were released when it
+        finished). A request still in a step in flight (aborted mid-step) is dropped when that step commits."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if not req.finished:
+            raise ValueError(f"request {request_id!r} is still running: abort it first")
+        self.grammars.pop(request_id, None)
+        if req.inflight:
+            req.freed = True
+        else:
+            del self.requests[request_id]
+
     def has_unfinished(self) -> bool:
         return self.sched.has_work() or any(i is not None for i in self.pending)
 
@@ -835,6 +850,8 @@ class Engine:
             req.inflight = False
             if req.finished:  # aborted while this step was in flight
                 self.sched.retire(req)
+                if req.freed:
+                    del self.requests[r.request_id]
                 updated.append(req)
                 continue
             ref = r.slot

@@ -224,9 +224,15 @@ class LLM:
             with self._lock:
                 return self.engine.add_request(rid, ids, params, stop_checker=checker, images=images)
         except ValueError:  # refused (a bad grammar, ...): keep nothing of it
-            for table in (self._detok, self._prompts, self._emitted):
-                table.pop(rid, None)
+            self._forget(rid)
             raise
+
+    def _forget(self, rid: str) -> None:
+        """Drop everything kept for a request whose caller has its last output (here and in the engine)."""
+        for table in (self._detok, self._prompts, self._emitted):
+            table.pop(rid, None)
+        with self._lock:
+            self.engine.free_request(rid)
 
     @staticmethod
     def _stop_checker(detok: IncrementalDetokenizer, stops: Sequence[str]):
@@ -292,7 +298,10 @@ class LLM:
                 with self._lock:
                     self.engine.step()
                 bar.update(sum(r.finished for r in reqs) - bar.n)
-        return [self._output(r) for r in reqs]
+        outputs = [self._output(r) for r in reqs]
+        for r in reqs:
+            self._forget(r.request_id)
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = False,
              **template_kwargs) -> list[RequestOutput]:
@@ -333,6 +342,7 @@ class LLM:
             if not req.finished:
                 with self._lock:
                     self.engine.abort(req.request_id)
+            self._forget(req.request_id)
 
     async def _run(self):
         loop = asyncio.get_running_loop()

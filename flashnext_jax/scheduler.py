@@ -40,6 +40,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     inflight: bool = False
     aborted: bool = False
+    freed: bool = False  # the caller took its output (Engine.free_request): forget it once no step holds it
     stop_checker: Any = None  # callable(token_ids) -> bool for stop strings (set by the LLM layer)
     images: Any = None  # request_images.RequestImages of an image prompt (None: text)
     slot_values: dict | None = None  # integer slot leaves the ledger writes at each allocation (the image spans)

@@ -168,10 +168,11 @@ def _soak(seconds: float, serve_args: list[str], vocab: int, toy: bool, workers:
 
 
 def _growth_without_compiles(samples: list[tuple], column: int) -> float:
-    """Total growth of samples[i][column] over the intervals i -> i+1 in which no XLA compilation ran (none under
-    way at either end, none finished in between)."""
-    return sum(max(0, b[column] - a[column]) for a, b in zip(samples, samples[1:])
-               if a[3] == b[3] and a[4] == b[4] == 0)
+    """Net growth of samples[i][column] summed over the intervals i -> i+1 in which no XLA compilation ran (none
+    under way at either end, none finished in between). Net, not the rises alone: RSS moves up and down by a few MB
+    with the allocator's churn, and summing only the rises of 180 samples reads that noise as hundreds of MB; a
+    leak shows as a steady net rise (~25 KB per request before Engine.free_request: +430 MB in 30 minutes)."""
+    return sum(b[column] - a[column] for a, b in zip(samples, samples[1:]) if a[3] == b[3] and a[4] == b[4] == 0)
 
 
 def _version(name: str) -> str:
