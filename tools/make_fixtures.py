@@ -949,7 +949,10 @@ def main():
         MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT = (m * (args.margin_scale or 0.5) for m in
                                                     (MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT))
         return make_vision_references()
-    args.margin_scale = args.margin_scale or (1.0 if args.random else 0.5)
+    # Trained weights are not chosen for margins, so they get a lower bar: 0.25x still leaves the smallest MoE
+    # gap (2.5e-5 relative) >20x above the fp32 port's router error (~1e-6 relative), and the parity tests
+    # (which compare every decision) are the final check.
+    args.margin_scale = args.margin_scale or (1.0 if args.random else 0.25)
     MARGIN_MOE_REL, MARGIN_QSA, MARGIN_LOGIT = (m * args.margin_scale for m in (MARGIN_MOE_REL, MARGIN_QSA,
                                                                                   MARGIN_LOGIT))
     t0 = time.time()

@@ -184,34 +184,30 @@ def plot_losses(log: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=260)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=4e-3)
-    ap.add_argument("--mtp-weight", type=float, default=0.5)
-    ap.add_argument("--eval-every", type=int, default=130)
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--fixtures-python", default="/work/venvfx/bin/python",
-                    help="Python with torch + transformers that runs tools/make_fixtures.py --trained OUT")
-    ap.add_argument("--no-fixtures", action="store_true", help="stop after writing OUT")
-    args = ap.parse_args()
-    t_start = time.time()
-
+def prepare(out: Path) -> None:
+    """Stage 1 (needs `tokenizers`): corpus -> OUT/tokenizer.json + OUT/corpus.npz (train and held-out tokens)."""
     train_texts, held_texts = read_files(CORPUS_FILES), read_files(HELD_OUT_FILES)
     tok = train_tokenizer(train_texts)
     encode = lambda texts: [tok.encode(t).ids for t in texts]  # noqa: E731
-    stream = token_stream(encode(train_texts), EOS_ID)
-    held = token_stream(encode(held_texts), EOS_ID)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    np.savez(out / "corpus.npz", train=token_stream(encode(train_texts), EOS_ID),
+             held=token_stream(encode(held_texts), EOS_ID), python=sys.version.split()[0],
+             files=np.array([n for n in CORPUS_FILES if (STDLIB / n).exists()]))
+
+
+def train(args) -> None:
+    """Stage 2 (jax + optax only, so it also runs on a GPU machine without `tokenizers`): OUT/corpus.npz ->
+    OUT/weights.safetensors (CausalLM names, fp32) + OUT/train_log.json."""
+    corpus = np.load(args.out / "corpus.npz")
+    stream, held = corpus["train"], corpus["held"]
     cfg = from_hf_config(hf_text_config())
     hasher = NgramHasher(cfg)
     params, table = init_params(cfg, args.seed)
     trainable = (params, table)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))
-    print(f"corpus: {len(train_texts)} stdlib files of Python {sys.version.split()[0]}, {len(stream):,} tokens "
-          f"(held-out {len(held):,}); model {n_params:,} params", flush=True)
+    print(f"corpus: {len(corpus['files'])} stdlib files of Python {corpus['python']}, {len(stream):,} tokens "
+          f"(held-out {len(held):,}); model {n_params:,} params; {jax.devices()[0].device_kind}", flush=True)
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), args.steps, args.lr / 20)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
@@ -222,40 +218,72 @@ def main() -> None:
     held_ids = ngram_ids(hasher, held_windows)
     rng = np.random.default_rng(args.seed)
     log = {"seed": args.seed, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-           "lr": args.lr, "mtp_weight": args.mtp_weight, "python": sys.version.split()[0], "jax": jax.__version__,
-           "corpus_files": [n for n in CORPUS_FILES if (STDLIB / n).exists()], "held_out_files": HELD_OUT_FILES,
-           "corpus_tokens": int(len(stream)), "n_params": n_params, "main_loss": [], "mtp_loss": [], "evals": []}
+           "lr": args.lr, "mtp_weight": args.mtp_weight, "python": str(corpus["python"]), "jax": jax.__version__,
+           "device": jax.devices()[0].device_kind, "corpus_files": [str(n) for n in corpus["files"]],
+           "held_out_files": HELD_OUT_FILES, "corpus_tokens": int(len(stream)), "n_params": n_params,
+           "main_loss": [], "mtp_loss": [], "evals": []}
     t_train = time.time()
-    bar = tqdm(range(1, args.steps + 1), desc="train demo", unit="step")
-    paths = training_paths()
-    paths.__enter__()  # the jitted step and evaluation are traced inside (first call)
-    for i in bar:
-        tokens = windows.sample(rng)
-        trainable, opt_state, main, mtp = step(trainable, opt_state, jnp.asarray(tokens),
-                                               jnp.asarray(ngram_ids(hasher, tokens)))
-        log["main_loss"].append(float(main))
-        log["mtp_loss"].append(float(mtp))
-        bar.set_postfix(loss=f"{log['main_loss'][-1]:.3f}", mtp=f"{log['mtp_loss'][-1]:.3f}")
-        if i % args.eval_every == 0 or i == args.steps:
-            hm, hp = evaluate(trainable, jnp.asarray(held_windows), jnp.asarray(held_ids))
-            log["evals"].append({"step": i, "held_out_main": float(hm), "held_out_mtp": float(hp)})
-            tqdm.write(f"step {i}: held-out loss {float(hm):.3f}, MTP {float(hp):.3f}")
-    paths.__exit__(None, None, None)
+    bar = tqdm(range(1, args.steps + 1), desc="train demo", unit="step", mininterval=5)
+    losses = []  # device scalars, read back in groups so the host never waits on each step
+    with training_paths():  # the jitted step and evaluation are traced inside (first call)
+        for i in bar:
+            tokens = windows.sample(rng)
+            trainable, opt_state, main, mtp = step(trainable, opt_state, jnp.asarray(tokens),
+                                                   jnp.asarray(ngram_ids(hasher, tokens)))
+            losses.append((main, mtp))
+            if i % 50 == 0 or i == args.steps:
+                log["main_loss"] += [float(m) for m, _ in losses]
+                log["mtp_loss"] += [float(p) for _, p in losses]
+                losses = []
+                bar.set_postfix(loss=f"{log['main_loss'][-1]:.3f}", mtp=f"{log['mtp_loss'][-1]:.3f}")
+            if i == 1:
+                log["first_step_seconds"] = time.time() - t_train  # mostly the compile
+            if i % args.eval_every == 0 or i == args.steps:
+                hm, hp = evaluate(trainable, jnp.asarray(held_windows), jnp.asarray(held_ids))
+                log["evals"].append({"step": i, "held_out_main": float(hm), "held_out_mtp": float(hp)})
+                tqdm.write(f"step {i}: held-out loss {float(hm):.3f}, MTP {float(hp):.3f}")
     log["train_seconds"] = time.time() - t_train
     log["tokens_seen"] = args.steps * args.batch_size * args.seq_len
 
-    args.out.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
 
     save_file(export_tensors(cfg, *trainable), str(args.out / "weights.safetensors"))
-    tok.save(str(args.out / "tokenizer.json"))
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    plot_losses(log, LOSS_PNG)
-    print(f"trained in {log['train_seconds']:.0f}s ({time.time() - t_start:.0f}s total): final loss "
-          f"{np.mean(log['main_loss'][-20:]):.3f}, held-out {log['evals'][-1]}; wrote {args.out}, {LOSS_PNG}")
+    print(f"trained in {log['train_seconds']:.0f}s: final loss {np.mean(log['main_loss'][-20:]):.3f}, "
+          f"held-out {log['evals'][-1]}; wrote {args.out}")
+
+
+def finish(args) -> None:
+    """Stage 3: the loss curve PNG, then the release layout + transformers fixtures (tools/make_fixtures.py)."""
+    plot_losses(json.loads((args.out / "train_log.json").read_text()), LOSS_PNG)
+    print(f"wrote {LOSS_PNG}")
     if not args.no_fixtures:
         subprocess.run([args.fixtures_python, str(ROOT / "tools" / "make_fixtures.py"), "--trained", str(args.out)],
                        check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stage", choices=["all", "prepare", "train", "finish"], default="all",
+                    help="all = prepare, train, finish; run `train` alone on a machine without tokenizers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=260)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=4e-3)
+    ap.add_argument("--mtp-weight", type=float, default=0.5)
+    ap.add_argument("--eval-every", type=int, default=130)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--fixtures-python", default="/work/venvfx/bin/python",
+                    help="Python with torch + transformers that runs tools/make_fixtures.py --trained OUT")
+    ap.add_argument("--no-fixtures", action="store_true", help="finish: only the loss curve, no fixtures")
+    args = ap.parse_args()
+    if args.stage in ("all", "prepare"):
+        prepare(args.out)
+    if args.stage in ("all", "train"):
+        train(args)
+    if args.stage in ("all", "finish"):
+        finish(args)
 
 
 if __name__ == "__main__":
