@@ -11,12 +11,29 @@ jitted device time.
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 bench/engine_step.py    # JSON to $OUT or bench/results
   ENGINE_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/engine_step.py # CPU check of this script
+
+`--structured` (issue 17: a step with a constrained row <= 5% slower than without) times full engine decode steps
+with all rows unconstrained vs row 0 constrained by a grammar (llguidance over a synthetic byte-level tokenizer of
+the model's 248,320 tokens, bench/structured_cost.py: the random-weight model emits arbitrary allowed tokens), at
+B = 1 and 2, greedy and sampled (temperature 0.7, top_p 0.9: device sampling), on ONE engine: 1-token prompts, so
+the prompt's step has the decode shape, and page tables at their full width, so the whole run compiles two model
+steps (B = 1, 2) plus a few small samplers. Rounds alternate plain and constrained runs; reported: the median ms
+per step of each, their ratio (summary "constrained_over_plain_b{B}_{greedy|sampled}", the JSON-schema grammar)
+and the host time of the masks. Grammars: "json" = an object with one string field of minLength 3000 (what a
+JSON answer's text field costs: cheap masks), "regex" = [a-z ]{0,4000} (a lexeme admitting most word pieces:
+llguidance's worst case, docs/structured-output.md "Cost"); neither can end within the steps timed. MTP is not
+measured here: decode_step.build draws no MTP tensors (the epilogue with draft masks: bench/structured_cost.py
+--part device).
+
+  PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/engine_step.py --structured  # H200, one run, ~6 min
+  ENGINE_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/engine_step.py --structured  # CPU check
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -122,6 +139,102 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
     return row
 
 
+STRUCTURED_GRAMMARS = {
+    "json": {"json": {"type": "object", "properties": {"text": {"type": "string", "minLength": 3000,
+                                                                "maxLength": 4000}},
+                      "required": ["text"], "additionalProperties": False}},
+    "regex": {"regex": "[a-z ]{0,4000}"},
+}
+STRUCTURED_SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def structured_runs(model, batches: list[int], grammars: list[str], steps: int, rounds: int,
+                    page_size: int = 16) -> tuple[list[dict], dict]:
+    """Per (B, sampling, grammar): median ms per engine decode step with no constrained row and with row 0
+    constrained, over `rounds` alternating runs of `steps` timed steps each, all on one LLM (see the docstring)."""
+    import llguidance
+
+    from bench.structured_cost import SyntheticTokenizer
+    from flashnext_jax.structured_output import GrammarCompiler, StructuredOutputsParams
+
+    vocab = model.cfg.vocab_size
+    t0 = time.perf_counter()
+    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(SyntheticTokenizer(vocab)), n_vocab=vocab)
+    print(f"llguidance tokenizer of {vocab} tokens built in {time.perf_counter() - t0:.1f} s", flush=True)
+    warm = 3  # steps before timing: the prompt's step, the first decode step, one more
+    max_len = 1 + warm + steps + 16
+    bmax = max(batches)
+    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=bmax, max_num_batched_tokens=bmax, max_model_len=max_len,
+             page_size=page_size, num_pages=bmax * -(-max_len // page_size) + 8, page_table_width="max",
+             compile_ahead=False)
+    eng = lm.engine
+    eng.grammar_compiler = GrammarCompiler(None, vocab, lltokenizer=lltok)
+    mask_s: list[float] = []
+    token_masks = eng._token_masks
+
+    def timed_masks(t):  # host time of the masks (inside the step's wall time)
+        t0 = time.perf_counter()
+        out = token_masks(t)
+        if out is not None:
+            mask_s.append(time.perf_counter() - t0)
+        return out
+    eng._token_masks = timed_masks
+    rng = np.random.default_rng(0)
+
+    def one_run(bsz, sampling, grammar):
+        reqs = []
+        for i in range(bsz):
+            so = StructuredOutputsParams(**STRUCTURED_GRAMMARS[grammar]) if grammar and i == 0 else None
+            reqs.append(lm._add([int(rng.integers(0, vocab))], SamplingParams(
+                max_tokens=warm + steps, ignore_eos=True, seed=i, structured_outputs=so, **sampling)))
+        times, n_masks = [], len(mask_s)
+        while any(not r.finished for r in reqs):
+            t0 = time.perf_counter()
+            eng.step()
+            if all(len(r.output) >= warm for r in reqs) and not any(r.finished for r in reqs):
+                times.append(time.perf_counter() - t0)
+        return times, mask_s[n_masks:], [r.finish_reason for r in reqs]
+
+    rows, summary = [], {}
+    for bsz in batches:
+        for sname, sampling in STRUCTURED_SAMPLING.items():
+            for grammar in grammars:
+                one_run(bsz, sampling, grammar)  # compiles (model step at the first B, samplers), untimed
+                one_run(bsz, sampling, None)
+                plain, constrained, masks, finish = [], [], [], []
+                for _ in range(rounds):
+                    plain += one_run(bsz, sampling, None)[0]
+                    t, m, f = one_run(bsz, sampling, grammar)
+                    constrained += t
+                    masks += m
+                    finish.append(f[0])
+                p_ms, c_ms = float(np.median(plain)) * 1e3, float(np.median(constrained)) * 1e3
+                row = dict(batch=bsz, sampling=sname, grammar=grammar, plain_ms_per_step=p_ms,
+                           constrained_ms_per_step=c_ms, constrained_over_plain=c_ms / p_ms,
+                           plain_p90_ms=float(np.percentile(plain, 90)) * 1e3,
+                           constrained_p90_ms=float(np.percentile(constrained, 90)) * 1e3,
+                           mask_host_median_ms=float(np.median(masks)) * 1e3 if masks else float("nan"),
+                           steps_timed=[len(plain), len(constrained)], constrained_finish=finish)
+                print(row, flush=True)
+                rows.append(row)
+                if grammar == "json":
+                    summary[f"constrained_over_plain_b{bsz}_{sname}"] = round(c_ms / p_ms, 4)
+    summary.update(compiles=eng.counters["compiles"], sampler_compiles=eng.counters["sampler_compiles"])
+    return rows, summary
+
+
+def print_structured(rows: list[dict]):
+    print(f"\n{'B':>3} {'sampling':<8} {'grammar':<7} {'plain ms':>9} {'constr ms':>9} {'ratio':>7} {'mask ms':>8} "
+          f"{'steps':>9}")
+    for r in rows:
+        if "error" in r:
+            print(r)
+            continue
+        print(f"{r['batch']:3d} {r['sampling']:<8} {r['grammar']:<7} {r['plain_ms_per_step']:9.3f} "
+              f"{r['constrained_ms_per_step']:9.3f} {r['constrained_over_plain']:7.4f} "
+              f"{r['mask_host_median_ms']:8.3f} {'/'.join(map(str, r['steps_timed'])):>9}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
@@ -130,6 +243,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--structured", action="store_true", help="plain vs one constrained row (see the docstring)")
+    ap.add_argument("--grammars", default="json,regex", help="--structured: of " + ",".join(STRUCTURED_GRAMMARS))
+    ap.add_argument("--steps", type=int, default=64, help="--structured: timed steps per run")
+    ap.add_argument("--rounds", type=int, default=3, help="--structured: plain/constrained run pairs")
     ap.add_argument("--sampling", action="append", default=None,
                     help='SamplingParams fields, e.g. "temperature=0.7,top_p=0.9"; repeat for several runs (default '
                          'greedy)')
@@ -146,6 +263,19 @@ def main():
     jax.block_until_ready(params)
     print(f"built params in {time.perf_counter() - t0:.1f} s", flush=True)
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+    if args.structured:
+        t0 = time.perf_counter()
+        rows, summary = structured_runs(model, [int(b) for b in args.batch.split(",")], args.grammars.split(","),
+                                        4 if SMOKE else args.steps, 1 if SMOKE else args.rounds, args.page_size)
+        summary.update(device=dev.device_kind, jax_version=jax.__version__,
+                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       seconds=round(time.perf_counter() - t0, 1))
+        print("summary", json.dumps(summary), flush=True)
+        path = save_result("engine_step_structured.json", rows, args.out, smoke=SMOKE, summary=summary,
+                           steps=args.steps, rounds=args.rounds, grammars=STRUCTURED_GRAMMARS)
+        print(f"wrote {path}")
+        print_structured(rows)
+        return
     rows = []
     samplings = [{k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
                  for spec in args.sampling or ["temperature=0.0"]]

@@ -199,6 +199,59 @@ class LogitBias:
         return logits + dense.reshape((b,) + (1,) * (logits.ndim - 2) + (v,))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["words"],
+                   meta_fields=["sampling", "bias_width", "mask_shape"])
+@dataclasses.dataclass(frozen=True)
+class SamplerInputs:
+    """What a step's sampler (engine.choose_tokens) takes besides the logits, as it crosses to the device: the rows'
+    SamplingInputs, LogitBias and packed grammar masks side by side in one int32 array `words` [B, C] (float32 and
+    uint32 fields bit-cast), so a step costs one host->device copy for all of them instead of one per leaf (up to
+    eight; ~60-100 us each on the H200 host, bench/results/structured_cost_device.json). Which parts are present
+    (and the masks' shape) is static: part of the sampler's key. `unpack` runs inside the jitted sampler: slices
+    and bit-casts, so the values are exactly the ones packed."""
+
+    words: jax.Array
+    sampling: tuple | None  # SamplingInputs.masks when some row samples on the device, else None
+    bias_width: int  # LogitBias NB (0: no bias)
+    mask_shape: tuple | None  # (K1, ceil(V/32)) of the grammar masks, None: no constrained row
+
+    SAMPLING_WORDS = 6  # temperature, top_k, top_p, min_p, key_data[2]
+
+    @staticmethod
+    def pack(inputs: SamplingInputs | None, bias: LogitBias | None, mask: np.ndarray | None
+             ) -> "SamplerInputs | None":
+        """numpy parts (each may be None) -> one numpy SamplerInputs (device_put later); None when all are None."""
+        parts = []
+        if inputs is not None:
+            parts += [np.stack([inputs.temperature.view(np.int32), inputs.top_k, inputs.top_p.view(np.int32),
+                                inputs.min_p.view(np.int32)], axis=1), inputs.key_data.view(np.int32)]
+        if bias is not None:
+            parts += [bias.ids, bias.values.view(np.int32)]
+        if mask is not None:
+            parts.append(mask.reshape(mask.shape[0], -1))
+        if not parts:
+            return None
+        return SamplerInputs(np.concatenate(parts, axis=1).astype(np.int32, copy=False),
+                             None if inputs is None else inputs.masks, 0 if bias is None else bias.ids.shape[1],
+                             None if mask is None else tuple(mask.shape[1:]))
+
+    def unpack(self) -> tuple[SamplingInputs | None, LogitBias | None, jax.Array | None]:
+        w, at = self.words, 0
+        f32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32)  # noqa: E731
+        inputs = bias = mask = None
+        if self.sampling is not None:
+            inputs = SamplingInputs(f32(w[:, 0]), w[:, 1], f32(w[:, 2]), f32(w[:, 3]),
+                                    jax.lax.bitcast_convert_type(w[:, 4:6], jnp.uint32), *self.sampling)
+            at = self.SAMPLING_WORDS
+        if self.bias_width:
+            nb = self.bias_width
+            bias = LogitBias(w[:, at: at + nb], f32(w[:, at + nb: at + 2 * nb]))
+            at += 2 * nb
+        if self.mask_shape is not None:
+            mask = w[:, at:].reshape(w.shape[0], *self.mask_shape)
+        return inputs, bias, mask
+
+
 PROMPT_LOGITS_CHUNK = 128  # positions whose full-vocabulary logits exist at once while computing prompt logprobs
 
 

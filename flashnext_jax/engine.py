@@ -22,7 +22,7 @@ from . import sampling
 from .compile_ahead import CompileAhead, abstract
 from .step_cache import StepCache
 from .page_pool import device_memory, size_pool
-from .device_sampling import (LogitBias, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
+from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
                               sample_tokens)
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
@@ -174,8 +174,10 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
         chosen_from = {name: logit_bias.apply(x) for name, x in chosen_from.items()}
     if token_mask is not None:
         chosen_from["logits"] = apply_token_bitmask(chosen_from["logits"], token_mask)
-    if logit_bias is not None or token_mask is not None:
-        out = {name + "_argmax": jnp.argmax(x, axis=-1).astype(jnp.int32) for name, x in chosen_from.items()}
+    # the argmax of what the bias or the mask changed (a mask alone leaves the draft logits: their argmax is the
+    # model step's)
+    changed = ["logits", "draft_logits"] if logit_bias is not None else ["logits"] if token_mask is not None else []
+    out = {name + "_argmax": jnp.argmax(chosen_from[name], axis=-1).astype(jnp.int32) for name in changed}
     if sampling_inputs is not None:
         out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
     if logprobs:
@@ -189,6 +191,12 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
         if sampling_inputs is not None:
             out["logits_sample_logprob"] = taken(out["logits_sample"])
     return out
+
+
+def choose_tokens_packed(logits, draft_logits, inputs: SamplerInputs | None, logprobs: bool = False) -> dict:
+    """The engine's sampler: choose_tokens with its inputs unpacked from the step's one SamplerInputs transfer."""
+    return choose_tokens(logits, draft_logits, *(inputs.unpack() if inputs is not None else (None,) * 3),
+                         logprobs=logprobs)
 
 
 def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -219,7 +227,7 @@ def jitted_step(runner: ModelRunner) -> tuple[Any, StepCache, CompileAhead]:
             steps = runner.steps()
         else:
             steps = StepCache(model_step(runner.step, getattr(runner, "logits", None)), 32, name="run")
-        samplers = StepCache(choose_tokens, 64, donate_argnums=(), static_argnums=(5,), name="choose_tokens",
+        samplers = StepCache(choose_tokens_packed, 64, donate_argnums=(), static_argnums=(3,), name="choose_tokens",
                              log_level=logging.DEBUG)
         hit = (runner, steps, samplers, CompileAhead(steps.compile, steps.__contains__))
         _JIT[id(runner)] = hit
@@ -541,8 +549,8 @@ class Engine:
         width = key.logit_bias_width
         bias = LogitBias(z(b, width), np.zeros((b, width), np.float32)) if width else None
         mask = z(b, self.K1, -(-v // 32)) if key.grammar else None
-        self._samplers.compile(key, (out["logits"], out["draft_logits"], *abstract(
-            self._on_last_stage((inputs, bias, mask))), key.logprobs))
+        self._samplers.compile(key, (out["logits"], out["draft_logits"], abstract(
+            self._on_last_stage(SamplerInputs.pack(inputs, bias, mask))), key.logprobs))
 
     def _on_last_stage(self, tree):
         """Where a step's logits are (a pipeline's last stage, else the default device): the samplers' inputs."""
@@ -704,7 +712,9 @@ class Engine:
         if key not in self._samplers:
             log.debug("new sampler key: %s", key.components())
             self.counters["sampler_compiles"] += 1
-        return self._samplers.call(key, (out["logits"], out["draft_logits"], inputs, bias, mask, key.logprobs))
+        packed = SamplerInputs.pack(inputs, bias, mask)  # one host->device copy for all of them
+        return self._samplers.call(key, (out["logits"], out["draft_logits"], self._on_last_stage(packed),
+                                         key.logprobs))
 
     def _compile_next_width(self, key: StepKey, batch: PackedBatch, targets):
         """After a decode step at page-table width W: have the same model step at width 2W compiled in the
@@ -785,7 +795,7 @@ class Engine:
                 rows[r.row] = (req.params, len(req.output))
         if not any(rows):
             return None
-        return self._on_last_stage(SamplingInputs.for_rows(rows, t.batch_size))
+        return SamplingInputs.for_rows(rows, t.batch_size)
 
     def _logit_bias(self, t: StepTicket) -> LogitBias | None:
         """The logit_bias of the rows that choose a token this step (None when none has one)."""
@@ -793,8 +803,7 @@ class Engine:
         for r in t.rows:
             if r.samples:
                 biases[r.row] = self.requests[r.request_id].params.logit_bias
-        bias = LogitBias.for_rows(biases, t.batch_size)
-        return None if bias is None else self._on_last_stage(bias)
+        return LogitBias.for_rows(biases, t.batch_size)
 
     def _prompt_targets(self, t: StepTicket) -> jax.Array | None:
         """[B, T] the prompt token after each row position of the requests that ask for prompt logprobs (-1 where
@@ -808,7 +817,7 @@ class Engine:
         return jax.device_put(targets) if np.any(targets >= 0) else None
 
     def _token_masks(self, t: StepTicket):
-        """The grammar masks of this step's constrained rows that choose tokens: [B, K1, words] int32 on the device
+        """The grammar masks of this step's constrained rows that choose tokens: [B, K1, words] int32 numpy
         (column of the row's last known token, then one per draft), or None when no such row (no mask code then).
         Computed on the host after the model step's launch (it needs them only in the sampler); a request has at most
         one step in flight, so its matcher holds its committed output here (docs/structured-output.md: where this
@@ -824,7 +833,7 @@ class Engine:
         if not rows:
             return None
         mask = self.grammar_compiler.fill_masks(rows, t.batch_size * self.K1)
-        return self._on_last_stage(mask.reshape(t.batch_size, self.K1, -1))
+        return mask.reshape(t.batch_size, self.K1, -1)
 
     def _check_writes(self, t: StepTicket):
         """Shadow ownership ledger: every slot and page this step writes is exclusively the row's own."""

@@ -5,8 +5,9 @@ bookkeeping, keyed by request id: created at admission, advanced at commit with 
 dropped when the request finishes. Before a step the engine asks `GrammarCompiler.fill_masks` for the packed
 int32 bitmask of every token position that chooses a token: the request's current position and, under MTP, one
 per draft token (the matcher walks through the drafts and rolls them back, so its state stays the committed
-one). The bitmask crosses to the device with the batch and masks the logits inside the jitted step
-(`apply_token_bitmask`); host-sampled paths use the same rows (`allowed_tokens`). docs/structured-output.md.
+one). The bitmask crosses to the device in the step's one transfer of sampler inputs (device_sampling.SamplerInputs)
+and masks the logits inside the jitted sampler (`apply_token_bitmask`); host-sampled paths use the same rows
+(`allowed_tokens`). docs/structured-output.md.
 """
 
 from __future__ import annotations
@@ -252,13 +253,19 @@ def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def apply_token_bitmask(logits, bitmask):
     """Inside the jitted step: logits [..., V] with every token the packed bitmask [..., ceil(V/32)] int32 forbids
-    set to -inf (a row of -1 words allows everything)."""
+    set to -inf (a row of -1 words allows everything). Each logit tests its own bit in its word: the logits are
+    viewed as [..., words, 32] (padded with -inf to a multiple of 32 first when V is not one), so the mask is read
+    in place by one elementwise pass, never unpacked into a [..., V] array of its own."""
     import jax.numpy as jnp
 
-    v = logits.shape[-1]
-    bits = (bitmask[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed = bits.reshape(*bitmask.shape[:-1], -1)[..., :v] != 0
-    return jnp.where(allowed, logits, -jnp.inf)
+    v, words = logits.shape[-1], bitmask.shape[-1]
+    lead = logits.shape[:-1]
+    x = logits if v == 32 * words else jnp.pad(logits, [(0, 0)] * len(lead) + [(0, 32 * words - v)],
+                                               constant_values=-jnp.inf)
+    x = x.reshape(*lead, words, 32)
+    allowed = (bitmask[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    out = jnp.where(allowed != 0, x, -jnp.inf).reshape(*lead, 32 * words)
+    return out if v == 32 * words else out[..., :v]
 
 
 def structured_from_request(fields: dict[str, Any]) -> StructuredOutputsParams:

@@ -7,8 +7,8 @@ import pytest
 
 import jax
 
-from flashnext_jax.device_sampling import (SamplingInputs, device_sampled, mask_modes, masked_probs,
-                                           sample_tokens)
+from flashnext_jax.device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled,
+                                           mask_modes, masked_probs, sample_tokens)
 from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.sampling import SamplingParams, probs_from_logits
 from flashnext_jax.toy_model import ToyConfig, ToyRunner
@@ -103,6 +103,30 @@ def test_samples_follow_the_distribution_and_ignore_the_batch():
     batched = np.asarray(sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (4, 1, 6)),
                                        SamplingInputs.for_rows(rows, 4)))[2, 0]
     assert batched == tokens[17]
+
+
+@pytest.mark.parametrize("parts", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1)])
+def test_sampler_inputs_cross_in_one_array_and_unpack_to_the_same_bits(parts):
+    """Every part of a step's sampler inputs that is present comes back bit for bit inside jit (floats and key
+    words bit-cast through int32), and which parts are present is static."""
+    rows = [(SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, top_k=7, seed=3), 5), None,
+            (SamplingParams(temperature=1.3, seed=2**31 + 7), 0)]
+    inputs = SamplingInputs.for_rows(rows, 3) if parts[0] else None
+    bias = LogitBias.for_rows([{5: -1.5, 9: 2.25}, None, {1: float("-inf")}], 3) if parts[1] else None
+    mask = np.random.default_rng(0).integers(-2**31, 2**31, (3, 2, 4), dtype=np.int64).astype(np.int32) \
+        if parts[2] else None
+    packed = SamplerInputs.pack(inputs, bias, mask)
+    assert packed.words.dtype == np.int32 and packed.words.shape[0] == 3
+    got = jax.jit(lambda p: p.unpack())(jax.device_put(packed))
+    for want, have in zip((inputs, bias, mask), got):
+        assert (want is None) == (have is None)
+        if want is not None:
+            for w, h in zip(jax.tree.leaves(want), jax.tree.leaves(have)):
+                h = np.asarray(h)
+                assert h.dtype == w.dtype and np.array_equal(h.view(np.int32), w.view(np.int32))
+    if inputs is not None:
+        assert got[0].masks == inputs.masks
+    assert SamplerInputs.pack(None, None, None) is None
 
 
 def test_which_rows_sample_on_the_device():

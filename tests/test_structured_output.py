@@ -1,4 +1,6 @@
-"""Structured outputs: grammar masks (llguidance) on the device and the host, exact under MTP and batching.
+"""Structured outputs: grammar masks (llguidance) on the device and the host, exact under MTP and batching, on the
+embedded demo model and on tests/fixtures/tiny_causal (transformers' own save in the CausalLM layout, with its own
+tokenizer: another loading path).
 
 Oracles: `jsonschema` for every JSON output; llguidance's own `validate_tokens` for masks and for truncated
 outputs (a length-finished output must be a valid prefix); llguidance.numpy's bitmask application for the device
@@ -7,6 +9,7 @@ unpacking; the greedy non-MTP run for the greedy MTP run; each request's solo ru
 
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +31,24 @@ from flashnext_jax.structured_output import GrammarCompiler, allowed_tokens, app
 from flashnext_jax.tokenizer import Tokenizer
 
 TOK = Tokenizer.from_dir(fj.DEMO_MODEL)
-V = 512  # the demo model's logits
+V = 512  # the demo model's logits (tiny_causal's too)
+CHECKPOINTS = {"demo": fj.DEMO_MODEL, "tiny_causal": Path(__file__).parent / "fixtures" / "tiny_causal"}
 PROMPT = [11, 12, 13, 14, 15]
 SHAPES = dict(max_model_len=96, page_size=96, block_size=96, min_batch_bucket=2, min_token_bucket=8,
               min_pool_capacity=(2, 4, 4), compile_ahead=False, max_num_seqs=2)
 _LLM: dict = {}
 
 
-def llm(k: int) -> fj.LLM:
-    """One demo-model LLM per MTP setting, fixed shapes: a handful of compiles for the whole file."""
-    if k not in _LLM:
-        if "model" not in _LLM:
-            _LLM["model"] = fj.load(dtype="float32")
+def llm(k: int, checkpoint: str = "demo") -> fj.LLM:
+    """One LLM per checkpoint and MTP setting, fixed shapes: a handful of compiles for the whole file."""
+    if (checkpoint, k) not in _LLM:
+        if checkpoint not in _LLM:
+            path = CHECKPOINTS[checkpoint]
+            _LLM[checkpoint] = fj.load(path, dtype="float32"), TOK if checkpoint == "demo" else Tokenizer.from_dir(path)
+        model, tokenizer = _LLM[checkpoint]
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        _LLM[k] = fj.LLM(_LLM["model"], speculative_config=spec, tokenizer=TOK, **SHAPES)
-    return _LLM[k]
+        _LLM[checkpoint, k] = fj.LLM(model, speculative_config=spec, tokenizer=tokenizer, **SHAPES)
+    return _LLM[checkpoint, k]
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +124,16 @@ def test_a_forbidden_draft_ends_the_masked_positions(compiler):
     assert allowed[2].all() and allowed[3].all()  # after the forbidden draft: never used to choose a token
 
 
-def test_device_unpacking_matches_llguidance_numpy(compiler):
+@pytest.mark.parametrize("v", [V, V - 5])  # a whole number of mask words, and a last word partly used
+def test_device_unpacking_matches_llguidance_numpy(v):
     rng = np.random.default_rng(0)
-    mask = rng.integers(-2**31, 2**31, size=(3, 2, (V + 31) // 32), dtype=np.int64).astype(np.int32)
-    logits = rng.standard_normal((3, 2, V)).astype(np.float32)
-    ref = logits.reshape(6, V).copy()
+    mask = rng.integers(-2**31, 2**31, size=(3, 2, (v + 31) // 32), dtype=np.int64).astype(np.int32)
+    logits = rng.standard_normal((3, 2, v)).astype(np.float32)
+    ref = logits.reshape(6, v).copy()
     apply_token_bitmask_inplace(ref, mask.reshape(6, -1))
-    got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(mask))).reshape(6, V)
+    got = np.asarray(jax.jit(apply_token_bitmask)(jnp.asarray(logits), jnp.asarray(mask))).reshape(6, v)
     assert np.array_equal(got, ref)
-    assert np.array_equal(np.isfinite(ref), allowed_tokens(mask, V).reshape(6, V))
+    assert np.array_equal(np.isfinite(ref), allowed_tokens(mask, v).reshape(6, v))
 
 
 def _fake_step(params, store, batch):
@@ -206,18 +213,49 @@ def _check(out, schema, compiler):
         assert probe.validate_tokens(out.token_ids) == len(out.token_ids)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(schema=OBJECT_SCHEMAS, seed=st.integers(0, 2**16))
-def test_random_schemas_greedy_and_sampled_with_and_without_mtp(schema, seed):
-    compiler = llm(0).engine.grammar_compiler
+def _random_schema_runs(schema, seed, checkpoint, mtp=(0, 1)):
+    """Greedy and sampled, with each MTP setting of `mtp`: every output validates (or is a valid prefix when cut by
+    max_tokens), greedy MTP == greedy without MTP, and the sampled constrained request batched with a sampled
+    unconstrained one == its solo run (and the other's)."""
+    compiler = llm(0, checkpoint).engine.grammar_compiler
     outs = {}
-    for k in (0, 1):
+    for k in mtp:
         for temperature in (0.0, 0.9):
             params = SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
                                     structured_outputs=SO(json=schema))
-            outs[k, temperature] = out = llm(k).generate(PROMPT, params)[0]
+            outs[k, temperature] = out = llm(k, checkpoint).generate(PROMPT, params)[0]
             _check(out, schema, compiler)
-    assert outs[1, 0.0].token_ids == outs[0, 0.0].token_ids  # greedy MTP == greedy without MTP
+    if 1 in mtp:
+        assert outs[1, 0.0].token_ids == outs[0, 0.0].token_ids  # greedy MTP == greedy without MTP
+    free = SamplingParams(temperature=0.9, top_p=0.9, seed=seed + 1, max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.9, seed=seed, max_tokens=MAX_TOKENS, structured_outputs=SO(json=schema))
+    both = llm(0, checkpoint).generate([PROMPT, PROMPT[::-1]], [constrained, free])
+    assert both[0].token_ids == outs[0, 0.9].token_ids
+    assert both[1].token_ids == llm(0, checkpoint).generate(PROMPT[::-1], free)[0].token_ids
+
+
+_HYPOTHESIS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@settings(max_examples=4, **_HYPOTHESIS)
+@given(schema=OBJECT_SCHEMAS, seed=st.integers(0, 2**16))
+def test_random_schemas_greedy_and_sampled_with_and_without_mtp(schema, seed):
+    _random_schema_runs(schema, seed, "demo")
+
+
+@settings(max_examples=3, **_HYPOTHESIS)
+@given(schema=OBJECT_SCHEMAS, seed=st.integers(0, 2**16))
+def test_random_schemas_on_the_tiny_causal_fixture(schema, seed):
+    """The same properties on the CausalLM-layout checkpoint, without MTP (transformers' save drops the MTP tensors):
+    three examples by default (~35 s on 2 cores), twelve in the slow variant below."""
+    _random_schema_runs(schema, seed, "tiny_causal", mtp=(0,))
+
+
+@pytest.mark.slow
+@settings(max_examples=12, **_HYPOTHESIS)
+@given(schema=OBJECT_SCHEMAS, seed=st.integers(0, 2**16))
+def test_random_schemas_on_the_tiny_causal_fixture_many(schema, seed):
+    _random_schema_runs(schema, seed, "tiny_causal", mtp=(0,))
 
 
 @pytest.mark.parametrize("k", [0, 1])
