@@ -54,6 +54,8 @@ PROMPT_TEXTS = [
 
 
 def run_jax(prompts, new, reps, spec_k: int = 0):
+    """One engine at a time: two live engines slow each other on 2 cores (their background compiles and threads;
+    stop 33 measured a plain batch-1 run at 0.16-0.19 s alone and 0.31-0.40 s with an MTP engine beside it)."""
     import jax
 
     import flashnext_jax as fj
@@ -65,6 +67,7 @@ def run_jax(prompts, new, reps, spec_k: int = 0):
                      max_model_len=256, page_size=16, speculative_config=spec)
         sp = fj.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         llm.generate(prompts[:bs], sp)  # warm-up: compiles every shape bucket this run uses
+        steps_before = llm.engine.counters["steps"]
         best, outs = float("inf"), None
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -72,8 +75,9 @@ def run_jax(prompts, new, reps, spec_k: int = 0):
             best = min(best, time.perf_counter() - t0)
         toks = sum(len(o.token_ids) for o in outs)
         res[str(bs)] = {"seconds": best, "tokens": toks, "tokens_per_s": toks / best,
-                        "engine_steps": llm.engine.counters["steps"], "first_output": outs[0].token_ids,
-                        "acceptance_rate": outs[0].metrics["acceptance_rate"]}
+                        "engine_steps_per_run": (llm.engine.counters["steps"] - steps_before) / reps,
+                        "first_output": outs[0].token_ids, "acceptance_rate": outs[0].metrics["acceptance_rate"]}
+        del llm
     return res
 
 
@@ -108,6 +112,12 @@ def main():
     speed = {bs: jx[bs]["tokens_per_s"] / hf[bs]["tokens_per_s"] for bs in ("1", "2")}
     mtp_speed = {bs: jx_mtp[bs]["tokens_per_s"] / jx[bs]["tokens_per_s"] for bs in ("1", "2")}
     result = {
+        "summary": {"mtp_k1_speedup_b1": mtp_speed["1"], "mtp_k1_speedup_b2": mtp_speed["2"],
+                    "mtp_acceptance_b1": jx_mtp["1"]["acceptance_rate"],
+                    "mtp_outputs_equal_no_mtp_b1": jx_mtp["1"]["first_output"] == jx["1"]["first_output"],
+                    "tok_s_b1": jx["1"]["tokens_per_s"], "tok_s_b1_mtp": jx_mtp["1"]["tokens_per_s"],
+                    "speedup_vs_transformers_b1": speed["1"], "machine_load_1min_before": LOAD_BEFORE,
+                    "device": "cpu", "date": datetime.date.today().isoformat()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version()},
