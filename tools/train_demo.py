@@ -3,6 +3,8 @@
 
 Run (the project venv: jax, optax, tokenizers, tqdm, matplotlib = the `train` extra):
     PYTHONPATH=. JAX_PLATFORMS=cpu python tools/train_demo.py [--steps N] [--seed S] [--fixtures-python PY]
+    [--stage all|prepare|train|finish]: prepare = steps 1-2 (writes build/demo_train/corpus.npz), train = step 3
+    (jax + optax only: runs on a GPU machine without `tokenizers`), finish = step 4 (docs/demo-model.md).
 
 Steps (deterministic for a given seed, Python version and jax version):
   1. corpus: the interpreter's own stdlib (`CORPUS_FILES` below: pydoc_data/topics.py = the language reference
@@ -12,7 +14,7 @@ Steps (deterministic for a given seed, Python version and jax version):
   3. the model (tools/demo_spec.py TEXT_CONFIG: GDN, QSA with a binding budget, MoE, PLE n-gram table,
      hyper-connections, MTP head) trained with AdamW through the project's own forward (flashnext_jax/training.py):
      next-token loss + MTP next-next-token loss;
-  4. writes build/demo_train/{weights.safetensors (CausalLM names, fp32), tokenizer.json, train_log.json} and
+  4. with build/demo_train/{weights.safetensors (CausalLM names, fp32), tokenizer.json, train_log.json}: writes
      docs/demo-model-loss.png, then runs tools/make_fixtures.py --trained build/demo_train in the fixtures venv
      (transformers), which writes the release layout flashnext_jax/demo_model/, tests/fixtures/tiny_causal/ and the
      transformers reference outputs (skip with --no-fixtures).
