@@ -245,8 +245,9 @@ def make_llm(model, bench: Bench, plan: Plan) -> LLM:
     warm = min(bench.chunk, mml - 3)  # Engine.warm_up's prompt
     pages = lambda n: -(-n // ps)  # noqa: E731
     prompts = [plan.contexts[c] for c in bench.contexts] + ([plan.contexts["32k"]] if "32k" in bench.contexts else [])
-    # every prompt's snapshots keep their pages; each decoding row adds its own (and a copied partial page)
-    num_pages = pages(warm) + sum(pages(n) for n in prompts) + max(plan.batches) * (pages(plan.decode_tokens) + 2) + 8
+    # every prompt's snapshots keep their pages; each decoding row adds its own (and a copied partial page); slack
+    num_pages = pages(warm) + sum(pages(n) for n in prompts) + max(plan.batches) * (pages(plan.decode_tokens) + 2)
+    num_pages += max(8, num_pages // 16)
     return LLM(RandomPleRunner(model, bench.k), max_num_seqs=max(plan.batches), max_num_batched_tokens=bench.chunk,
                max_model_len=mml, page_size=ps, num_pages=num_pages, num_snapshots=16,
                enable_prefix_caching=True, block_size=min(plan.contexts.values()),
