@@ -82,31 +82,37 @@ def random_quantized(key, shape_in_out, bits, group) -> QuantizedWeight:
     return QuantizedWeight(planes=tuple(planes), scales=scales, bits=bits, group_size=group, k=k, n=n)
 
 
-def build(cfg, key, stack: bool = True):
+def build(cfg, key, stack: bool = True, with_mtp: bool = False, mtp_quantized: bool = False):
     """Params tree of random weights in the INT4-Mixed scheme, drawn on the device, layers stacked unless
     stack=False (stacked as flashnext_jax.load does: each tensor goes to the host as it is drawn, each stack to
     the device once, layer_stack.build_stacked_on_host); and the bytes a step reads: (bytes read whatever the
-    routing, bytes of one routed expert summed over all layers)."""
+    routing, bytes of one routed expert summed over all layers), of the decoder and its head (not the MTP head).
+
+    with_mtp: the MTP head's tensors too (`params["mtp"]`), in BF16 as the INT4-Mixed release stores them
+    (shared/reference/real_tensors_minachist.tsv: every `mtp.*` tensor BF16, its 512 experts per expert, ~5 GB),
+    or with mtp_quantized in the scheme of the decoder's matching tensors (what a re-quantized head would read).
+    The decoder's tensors are drawn from the same keys either way (the `mtp.*` names sort after them)."""
     if not stack:
-        tree, always, per_expert = _draw(cfg, key, lambda x: x)
+        tree, always, per_expert = _draw(cfg, key, lambda x: x, with_mtp, mtp_quantized)
         return fuse_projections(tree), always, per_expert
     device, sizes = jax.devices()[0], []
 
     def on_host():  # returns the only reference to the per-layer tree, so that stacking can release it
         with jax.default_device(device):  # drawn on the accelerator (fast), kept on the host
-            tree, *counts = _draw(cfg, key, to_host)
+            tree, *counts = _draw(cfg, key, to_host, with_mtp, mtp_quantized)
         sizes.extend(counts)
         return fuse_projections(tree)
     params = build_stacked_on_host(on_host, device)
     return params, *sizes
 
 
-def _draw(cfg, key, place):
+def _draw(cfg, key, place, with_mtp: bool = False, mtp_quantized: bool = False):
     tree: dict = {}
     always, per_expert = 0, 0
-    for i, (name, shape) in enumerate(sorted(expected_tensors(cfg, with_mtp=False).items())):
+    for i, (name, shape) in enumerate(sorted(expected_tensors(cfg, with_mtp=with_mtp).items())):
         k = jax.random.fold_in(key, i)
-        bg = scheme_of(name)
+        mtp = name.startswith("mtp.")
+        bg = None if mtp and not mtp_quantized else scheme_of(name)
         if bg is not None:
             # torch [.., out, in] -> quantized [.., in, out]; the embedding [V, H] becomes [K=H, N=V] (model.embed)
             logical = tuple(shape[:-2]) + (shape[-1], shape[-2])
@@ -115,10 +121,11 @@ def _draw(cfg, key, place):
         else:
             value = orient(name, (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(jnp.bfloat16))
             nbytes = value.nbytes
-        if "mlp.experts." in name:
-            per_expert += nbytes // cfg.num_experts
-        elif name != "embed_tokens.weight":  # the embedding is a row gather, not streamed
-            always += nbytes
+        if not mtp:  # the MTP head's bytes: the caller counts them (a step reads the head several times)
+            if "mlp.experts." in name:
+                per_expert += nbytes // cfg.num_experts
+            elif name != "embed_tokens.weight":  # the embedding is a row gather, not streamed
+                always += nbytes
         _set(tree, param_path(name), jax.tree.map(place, value))
     return _lists(tree), always, per_expert
 

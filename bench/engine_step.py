@@ -22,8 +22,8 @@ per step of each, their ratio (summary "constrained_over_plain_b{B}_{greedy|samp
 and the host time of the masks. Grammars: "json" = an object with one string field of minLength 3000 (what a
 JSON answer's text field costs: cheap masks), "regex" = [a-z ]{0,4000} (a lexeme admitting most word pieces:
 llguidance's worst case, docs/structured-output.md "Cost"); neither can end within the steps timed. MTP is not
-measured here: decode_step.build draws no MTP tensors (the epilogue with draft masks: bench/structured_cost.py
---part device).
+measured here (the model is built without MTP tensors; MTP decode steps at the real size: bench/real_size.py; the
+epilogue with draft masks: bench/structured_cost.py --part device).
 
   PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/engine_step.py --structured  # H200, one run, ~6 min
   ENGINE_BENCH_SMOKE=1 JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/engine_step.py --structured  # CPU check
@@ -40,6 +40,7 @@ import logging
 import os
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,17 +82,18 @@ class RandomPleRunner(RealRunner):
         return {"ple_rows": out}
 
 
-def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16,
-              sampling: dict | None = None) -> dict:
-    sampling = sampling or {"temperature": 0.0}
-    max_len = prompt_len + new_tokens + 16
-    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=bsz, max_num_batched_tokens=bsz * prompt_len,
-             max_model_len=max_len, page_size=page_size,  # all prompts in one prefill step
-             num_pages=bsz * -(-max_len // page_size) + 8)  # a pool of what the rows need: runs stay independent
-    phases = {"build_batch": [], "dispatch": [], "device_wait": [], "sampler": [], "commit": []}
-    eng = lm.engine
+_PHASED = ("_build_batch", "_launch_model_step", "_choose_tokens", "_commit")
 
-    def timed(name, fn, wait=None):  # host-time breakdown of the engine step (wall time per phase)
+
+def time_phases(eng) -> tuple[dict[str, list[float]], Callable[[], None]]:
+    """Host-time breakdown of the engine's steps: wraps the step's phases (on the instance) so that each call
+    appends its wall time in seconds to phases[name] (build_batch, dispatch, device_wait: the host waiting for the
+    model step after launching it, sampler: the second program of a step (engine.choose_tokens: device sampling,
+    logprobs, bias) launch to result, commit). The waits serialise host and device within a step (what a step
+    costs, phase by phase). Returns (phases, restore), restore() removing the wrappers."""
+    phases = {"build_batch": [], "dispatch": [], "device_wait": [], "sampler": [], "commit": []}
+
+    def timed(name, fn, wait=None):
         def run(*a):
             t0 = time.perf_counter()
             out = fn(*a)
@@ -105,9 +107,24 @@ def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int 
 
     eng._build_batch = timed("build_batch", eng._build_batch)
     eng._launch_model_step = timed("dispatch", eng._launch_model_step, wait="device_wait")
-    # the second program of a step (engine.choose_tokens: device sampling, logprobs, bias), launch to result
     eng._choose_tokens = timed("sampler", eng._choose_tokens, wait="sampler")
     eng._commit = timed("commit", eng._commit)
+
+    def restore():
+        for attr in _PHASED:
+            eng.__dict__.pop(attr, None)
+    return phases, restore
+
+
+def run_batch(model, bsz: int, prompt_len: int, new_tokens: int, page_size: int = 16,
+              sampling: dict | None = None) -> dict:
+    sampling = sampling or {"temperature": 0.0}
+    max_len = prompt_len + new_tokens + 16
+    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=bsz, max_num_batched_tokens=bsz * prompt_len,
+             max_model_len=max_len, page_size=page_size,  # all prompts in one prefill step
+             num_pages=bsz * -(-max_len // page_size) + 8)  # a pool of what the rows need: runs stay independent
+    eng = lm.engine
+    phases, _ = time_phases(eng)
     rng = np.random.default_rng(bsz)
     reqs = [lm._add(rng.integers(0, model.cfg.vocab_size, prompt_len).tolist(),
                     SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=i, **sampling)) for i in range(bsz)]
