@@ -1,0 +1,110 @@
+"""Which ops round a row differently when other rows run beside it (issue 19, the GPU part).
+
+For each op at a real-size shape and each row count M, row i of one M-row call is compared bitwise with row i run
+alone (M = 1), for the first few rows. An op is batch invariant when every row matches at every M. The matmul paths
+switch by M (`quant_matmul.dispatch_path`: GEMV for M <= 2, the tensor-core kernel up to 32, XLA dequant + dot
+above), so every op is tried across those thresholds, with XLA's excess precision on (the default) and off (the
+per-compile option `xla_allow_excess_precision`).
+
+    H200:  PYTHONPATH=. python3 bench/invariance_probe.py            (~1-2 min)
+    CPU:   JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/invariance_probe.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.quant_matmul import random_qweight  # noqa: E402
+from flashnext_jax.layers import linear, rms_norm  # noqa: E402
+from pallas_kernels.quant_matmul import dispatch_path, quant_matmul  # noqa: E402
+
+H = 2560
+
+
+def ops(key):
+    """name -> (function of x [M, K], K, a description of the path by M)."""
+    k = jax.random.split(key, 8)
+    q4_up = random_qweight(k[0], (), H, 4096, 4, 128)       # an attention-sized projection, INT4 g128
+    q4_down = random_qweight(k[1], (), 4096, H, 4, 128)
+    q8 = random_qweight(k[2], (), H, 1280, 8, 128)
+    router = (jax.random.normal(k[3], (512, H), jnp.float32) * 0.02).astype(jnp.bfloat16)   # [out, in]
+    small = (jax.random.normal(k[4], (48, H), jnp.float32) * 0.02).astype(jnp.bfloat16)      # in_proj_a/b-sized
+    dense = (jax.random.normal(k[5], (4096, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    norm_w = jax.random.normal(k[6], (H,), jnp.float32).astype(jnp.bfloat16) * 0.1
+    return {
+        "quant_int4_2560x4096": (lambda x: quant_matmul(x, q4_up), H, lambda m: dispatch_path((m, H), q4_up)),
+        "quant_int4_4096x2560": (lambda x: quant_matmul(x, q4_down), 4096, lambda m: dispatch_path((m, 4096), q4_down)),
+        "quant_int8_2560x1280": (lambda x: quant_matmul(x, q8), H, lambda m: dispatch_path((m, H), q8)),
+        "linear_bf16_router_512": (lambda x: linear(x, router), H, lambda m: "reduce" if m <= 8 else "dot"),
+        "linear_bf16_small_48": (lambda x: linear(x, small), H, lambda m: "reduce" if m <= 8 else "dot"),
+        "linear_bf16_4096": (lambda x: linear(x, dense), H, lambda m: "dot"),
+        "rms_norm": (lambda x: rms_norm(x, norm_w, 1e-6), H, lambda m: "xla"),
+        "log_softmax_f32": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), H, lambda m: "xla"),
+    }
+
+
+def _bits_equal(a, b) -> bool:
+    return a.tobytes() == b.tobytes()
+
+
+def compiled(fn, x, excess: bool):
+    return jax.jit(fn).lower(x).compile(compiler_options={"xla_allow_excess_precision": excess})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer row counts (CPU smoke)")
+    ap.add_argument("--rows-checked", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ms = [1, 2, 3, 8, 9, 32, 33] if args.quick else [1, 2, 3, 4, 8, 9, 16, 32, 33, 64, 128, 256, 1024, 8192]
+    key = jax.random.PRNGKey(0)
+    table = ops(key)
+    rows = []
+    for name, (fn, k, path_of) in table.items():
+        x_all = jax.random.normal(jax.random.fold_in(key, 99), (max(ms), k), jnp.float32).astype(jnp.bfloat16)
+        for excess in (True, False):
+            solo = [np.asarray(compiled(fn, x_all[i:i + 1], excess)(x_all[i:i + 1]))[0]
+                    for i in range(args.rows_checked)]
+            pair = np.asarray(compiled(fn, x_all[:2], excess)(x_all[:2]))
+            for m in ms[1:]:
+                y = np.asarray(compiled(fn, x_all[:m], excess)(x_all[:m]))
+                n = min(m, args.rows_checked)
+                diffs = [np.max(np.abs(y[i].astype(np.float32) - solo[i].astype(np.float32))) for i in range(n)]
+                equal = all(_bits_equal(y[i], solo[i]) for i in range(n))
+                equal_m2 = all(_bits_equal(y[i], pair[i]) for i in range(2))
+                rows.append(dict(op=name, excess_precision=excess, m=m, path=path_of(m), path_m1=path_of(1),
+                                 equal=bool(equal), equal_to_m2=bool(equal_m2), max_abs_diff=float(max(diffs))))
+                print(f"{name:24s} excess={str(excess):5s} M={m:5d} path={path_of(m):12s} "
+                      f"vs M=1: {'EQUAL' if equal else 'differs'} {max(diffs):.3g}  "
+                      f"vs M=2: {'EQUAL' if equal_m2 else 'differs'}", flush=True)
+    dev = jax.devices()[0]
+    summary = {op: {f"excess_{e}": [r["m"] for r in rows if r["op"] == op and r["excess_precision"] == e
+                                    and not r["equal"]] for e in (True, False)} for op in table}
+    summary_m2 = {op: {f"excess_{e}": [r["m"] for r in rows if r["op"] == op and r["excess_precision"] == e
+                                       and not r["equal_to_m2"]] for e in (True, False)} for op in table}
+    result = dict(device=getattr(dev, "device_kind", str(dev)), jax_version=jax.__version__,
+                  date=datetime.date.today().isoformat(), rows=rows, summary={"row_counts_that_differ": summary,
+                                                                      "row_counts_that_differ_from_m2": summary_m2})
+    out = args.out or os.path.join(os.environ.get("OUT", "bench/results"), "invariance_probe.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("\nrow counts M whose rows differ from the same rows alone (per op: excess precision on / off)")
+    for op, s in summary.items():
+        print(f"{op:24s} on: {s['excess_True']}  off: {s['excess_False']}")
+    print("\nthe same against rows 0-1 of the M=2 call (is only M=1 the odd one out?)")
+    for op, s in summary_m2.items():
+        print(f"{op:24s} on: {s['excess_True']}  off: {s['excess_False']}")
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
