@@ -1,0 +1,27 @@
+"""bench/invariance_probe.py on the CPU: it covers every op at every row count and finds what it must find."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_invariance_probe_quick_on_cpu(tmp_path):
+    out = tmp_path / "probe.json"
+    subprocess.run([sys.executable, "bench/invariance_probe.py", "--quick", "--rows-checked", "2", "--out", str(out)],
+                   cwd=ROOT, check=True, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+                                             "PATH": "/usr/bin:/bin"}, capture_output=True)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    ops = {r["op"] for r in rows}
+    assert len(ops) == 8 and {r["m"] for r in rows} == {2, 3, 8, 9, 32, 33}
+    assert len(rows) == 8 * 2 * 6
+    # a row-wise norm cannot depend on the other rows: the probe must call it invariant everywhere
+    assert all(r["equal"] and r["equal_to_m2"] for r in rows if r["op"] == "rms_norm")
+    # every M=2 row equals itself: the M=2 comparison is wired to the M=2 call
+    assert all(r["equal_to_m2"] for r in rows if r["m"] == 2)
+    # the quant matmul's path labels follow the dispatch thresholds (GEMV to 2, the kernel to 32, XLA above)
+    paths = {r["m"]: r["path"] for r in rows if r["op"] == "quant_int4_2560x4096"}
+    assert paths[33] == "dequant_dot"
+    assert set(result["summary"]) == {"row_counts_that_differ", "row_counts_that_differ_from_m2"}
