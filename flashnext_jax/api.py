@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from pallas_kernels import fixed_order
+
 from .config import ModelConfig, from_hf_config
 from .layer_stack import build_stacked_on_host, with_stacked_layers
 from .model import Batch, State, forward, init_state
@@ -38,7 +40,9 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("cfg", "logits_last_only"), donate_argnames=("state",))
+# the solo reference runs in the engine's default numerics: batch invariant (pallas_kernels/fixed_order.py)
+@partial(jax.jit, static_argnames=("cfg", "logits_last_only"), donate_argnames=("state",),
+         compiler_options=fixed_order.compiler_options(True))
 def _jit_step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only: bool):
     return forward(params, cfg, batch, state, logits_last_only=logits_last_only)
 
@@ -56,7 +60,7 @@ def _step(params, cfg: ModelConfig, batch: Batch, state: State, logits_last_only
     return _jit_step(params, cfg, batch, state, logits_last_only)
 
 
-@partial(jax.jit, static_argnames=("cfg",))
+@partial(jax.jit, static_argnames=("cfg",), compiler_options=fixed_order.compiler_options(True))
 def _mtp_step(params, cfg, hyper, next_tokens, start, n_valid, cache, mrope=None, image_embeds=None, image_mask=None):
     return mtp_forward(params, cfg, hyper, next_tokens, start, n_valid, cache, mrope, image_embeds, image_mask)
 

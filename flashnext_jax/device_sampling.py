@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fixed_order
+
 from .sampling import SamplingParams
 
 _PURPOSE = 4  # distinct from the host streams' purposes 0..3 (sampling._rng)
@@ -122,7 +124,7 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p, *, top_k_m
             kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), k[:, None] - 1, axis=-1)
         x = jnp.where(use_k[:, None] & (x < kth), -jnp.inf, x)
     p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    p = p / fixed_order.tree_sum(p, -1, keepdims=True)
 
     use_p = top_p < 1.0
 
@@ -270,7 +272,7 @@ def prompt_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, n_top: int
     def chunk(args):
         h, tgt = args
         x = logits_of(h).astype(jnp.float32)
-        lse = jax.nn.logsumexp(x, axis=-1)
+        lse = fixed_order.logsumexp(x, axis=-1)
         top_values, top_ids = jax.lax.top_k(x, min(n_top, x.shape[-1]))
         chosen = jnp.take_along_axis(x, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
         return chosen - lse, top_ids, top_values - lse[..., None]

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fixed_order
+
 from . import sampling
 from .compile_ahead import CompileAhead, abstract
 from .step_cache import StepCache
@@ -114,7 +116,7 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[int, tuple] = {}  # id(runner) -> (runner, its model steps, its samplers, their background compiler)
+_JIT: dict[tuple, tuple] = {}  # (id(runner), batch_invariant) -> (runner, its model steps, its samplers, their background compiler)
 
 
 def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -182,7 +184,7 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
         out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
     if logprobs:
         x = logits.astype(jnp.float32)
-        lse = jax.nn.logsumexp(x, axis=-1)
+        lse = fixed_order.logsumexp(x, axis=-1)
         top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
         out["logits_top_logprobs"] = top_values - lse[..., None]
         taken = lambda ids: jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - lse  # noqa: E731
@@ -215,22 +217,27 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     return run
 
 
-def jitted_step(runner: ModelRunner) -> tuple[Any, StepCache, CompileAhead]:
+def jitted_step(runner: ModelRunner, batch_invariant: bool = True) -> tuple[Any, StepCache, CompileAhead]:
     """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
     compiles: about a minute at the real model size, so the engine logs it), its compiled samplers (choose_tokens)
     by SamplerKey, and the background compiler that compiles model steps before they are needed (compile_ahead.py).
     A pipeline (pipeline.py) has one jitted model step per stage instead: its PipelineSteps stands in for the model
-    steps' StepCache."""
-    hit = _JIT.get(id(runner))
+    steps' StepCache. Engines of one runner in the two batch-invariance modes (EngineConfig.batch_invariant) get
+    separate caches: a program keeps the mode it was traced in."""
+    hit = _JIT.get((id(runner), batch_invariant))
     if hit is None or hit[0] is not runner:
         if hasattr(runner, "pipeline_step"):
+            if runner.batch_invariant != batch_invariant:
+                raise ValueError(f"the pipeline's stages were built with batch_invariant={runner.batch_invariant}, "
+                                 f"the engine asks for {batch_invariant}: pass the same to PipelineRunner")
             steps = runner.steps()
         else:
-            steps = StepCache(model_step(runner.step, getattr(runner, "logits", None)), 32, name="run")
+            steps = StepCache(model_step(runner.step, getattr(runner, "logits", None)), 32, name="run",
+                              batch_invariant=batch_invariant)
         samplers = StepCache(choose_tokens_packed, 64, donate_argnums=(), static_argnums=(3,), name="choose_tokens",
-                             log_level=logging.DEBUG)
+                             log_level=logging.DEBUG, batch_invariant=batch_invariant)
         hit = (runner, steps, samplers, CompileAhead(steps.compile, steps.__contains__))
-        _JIT[id(runner)] = hit
+        _JIT[(id(runner), batch_invariant)] = hit
     return hit[1], hit[2], hit[3]
 
 
@@ -378,6 +385,9 @@ class EngineConfig:
     max_compiled_steps: int = 32
     # compiled samplers kept (choose_tokens): small programs, ~100 memory maps each on the CPU (a model step ~1,000)
     max_compiled_samplers: int = 64
+    # a request's tokens and logits do not depend on what runs beside it (batch size, token bucket, chunk
+    # boundaries): fixed-order reductions, one matmul path per weight, no excess precision (docs/batch-invariance.md)
+    batch_invariant: bool = True
 
 
 class Engine:
@@ -415,9 +425,10 @@ class Engine:
                                   min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
-                                               cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets),
+                                               cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets,
+                                               self._prefill_align(runner, cfg)),
                                self.ledger)
-        self._steps, self._samplers, self._ahead = jitted_step(runner)
+        self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant)
         self._steps.set_limit(cfg.max_compiled_steps)
         self._samplers.set_limit(cfg.max_compiled_samplers)
         # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
@@ -451,6 +462,17 @@ class Engine:
         return pool.num_pages
 
     # ---- compiling ahead of traffic
+    def _prefill_align(self, runner: ModelRunner, cfg: EngineConfig) -> int:
+        """The grid prompts are cut on (SchedulerConfig.prefill_align): the runner's, when batch invariant and the
+        step budget can always reach the next grid point beside a full batch of decode rows."""
+        align = getattr(runner, "prefill_align", 1) if cfg.batch_invariant else 1
+        if align > 1 and cfg.max_num_batched_tokens < align + cfg.max_num_seqs * self.K1:
+            log.warning("max_num_batched_tokens=%d is below %d + %d rows x %d tokens: prompts longer than %d tokens "
+                        "are cut anywhere, so their chunks are not batch invariant", cfg.max_num_batched_tokens,
+                        align, cfg.max_num_seqs, self.K1, align)
+            return 1
+        return align
+
     def _row_buckets(self) -> list[int]:
         """Every row bucket B a step of this engine can have (powers of two from min_batch_bucket)."""
         rows = _bucket(max(self.cfg.max_num_seqs, self.cfg.min_batch_bucket))

@@ -8,9 +8,11 @@ its valid tokens had been seen.
 Which delta rule runs (decided once per `gdn_forward` call, at trace time, by the same switch as the quantized
 matmuls: FLASHNEXT_KERNELS=auto|pallas|interpret|reference, see pallas_kernels/kernel_switch.py):
   * "reference" (auto off GPU), and "pallas" with float32 activations: the pure-JAX rules of this module
-    (`delta_rule_chunked` for prefill, `delta_rule_recurrent` for T <= 4, `delta_rule_checkpoints` for the engine's
-    checkpoint columns). The GPU kernels feed bf16 operands to the tensor cores, so fp32 runs stay on this exact
-    path: the fp32 parity tests against transformers (1e-5) depend on its op order. Do not reorder these ops.
+    (`delta_rule_absolute`: the chunked form on whole chunks at absolute positions, the recurrence elsewhere, for
+    the engine's checkpoint columns and any batch-invariant forward; `delta_rule_chunked` / `delta_rule_recurrent`
+    (T <= 4) for training and with batch invariance off). The GPU kernels feed bf16 operands to the tensor
+    cores, so fp32 runs stay on this exact path: the fp32 parity tests against transformers (1e-5) depend on its
+    op order. Do not reorder these ops.
   * "pallas" (auto on GPU) with bf16/fp16 activations, and "interpret" (the kernels interpreted on CPU, for tests):
     the Pallas kernels of pallas_kernels/ (docs/kernels-gdn.md) in their FLA conventions: q, k per key head (the
     kernel maps key head i to value heads i*rep ..), L2 norm and Dk^-0.5 scale inside the kernel. Prefill = the
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gdn_reference as gdn_kernels
+from pallas_kernels import fixed_order
 from pallas_kernels.kernel_switch import resolve_impl
 
 from .config import ModelConfig
@@ -44,7 +47,7 @@ TRAINING_CHUNK: int | None = None
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * jax.lax.rsqrt(fixed_order.tree_sum(x * x, -1, keepdims=True) + eps)
 
 
 def _delta_step(s, inputs):
@@ -76,22 +79,76 @@ def delta_rule_recurrent_states(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def delta_rule_checkpoints(q, k, v, g, beta, state, base, k1: int):
-    """Delta rule over T tokens that also returns the states after tokens base .. base + k1 - 1 of each row.
+def _gather_tokens(a, idx):
+    """a [B, T, ...] -> a[b, idx[b, i]] for idx [B, N] (clipped to the row)."""
+    idx = jnp.clip(idx, 0, a.shape[1] - 1)
+    return jnp.take_along_axis(a, idx.reshape(*idx.shape, *([1] * (a.ndim - 2))), axis=1)
 
-    Tokens before `base` [B] run through the usual rule (chunked for long rows), the k1 tail tokens recurrently from
-    that state, so the per-token states exist only for the tail. Needs base + k1 <= T. Returns (out [B, T, H, Dv],
-    states [B, k1, H, Dk, Dv]). Tokens past a row's valid length must already be identities (g = 0, beta = 0).
+
+def _shift_rows(a, offset):
+    """a [B, T, ...] with row b moved left by offset[b]: a[b, offset[b] + i] (past the end: the last token)."""
+    return _gather_tokens(a, offset[:, None] + jnp.arange(a.shape[1])[None, :])
+
+
+def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chunk: int = CHUNK):
+    """The delta rule over each row's n_valid tokens at absolute positions start .. start + n_valid - 1, computed
+    so that a token's result does not depend on how its prompt was cut into steps or what else the step holds.
+
+    The chunked form and the recurrence round differently, so which one a token goes through must depend on the
+    token alone: the chunked form runs exactly the whole absolute chunks [c*chunk, (c+1)*chunk) that lie inside the
+    row's tokens, in the same chunks whatever the step's shape (the row is shifted so they start at offset 0); every
+    other token (a ragged head before the first whole chunk, the tail after the last, a decode step's tokens) goes
+    through the recurrence. A prompt cut into steps at multiples of `chunk` (the scheduler's prefill alignment)
+    then gives the same states and outputs as in one step.
+
+    Returns (out [B, T, H, Dv], states [B, K1, H, Dk, Dv]): the state after ends[:, c] tokens of the row (the
+    engine's checkpoint columns; default ends = n_valid[:, None]: the final state). A column that falls inside the
+    chunked part, short of its end (only a prefill step ending on the grid with K1 > 1, whose earlier columns the
+    engine never reads), holds the state at the end of the chunked part. Padding tokens must be identities
+    (g = beta = 0).
     """
     b, t = g.shape[:2]
-    head = (jnp.arange(t)[None, :] < base[:, None])[..., None]
-    rule = delta_rule_recurrent if t <= 4 else delta_rule_chunked
-    out, s_base = rule(q, k, v, jnp.where(head, g, 0.0), jnp.where(head, beta, 0.0), state)
-    idx = base[:, None] + jnp.arange(k1)[None, :]  # [B, k1], < T
-    take = lambda a: jnp.take_along_axis(a, idx.reshape(b, k1, *([1] * (a.ndim - 2))), axis=1)
-    out_t, states = delta_rule_recurrent_states(take(q), take(k), take(v), take(g), take(beta), s_base)
-    out = out.at[jnp.arange(b)[:, None], idx].set(out_t)
-    return out, states
+    end = start + n_valid
+    up = -(-start // chunk) * chunk  # the first chunk boundary at or after start
+    down = end // chunk * chunk  # the last chunk boundary at or before end
+    body = jnp.maximum(down - up, 0)  # tokens in whole chunks
+    head = jnp.where(body > 0, up - start, 0)  # tokens before them (recurrent)
+    rest = head + body  # step offset where the recurrent window starts
+    pos = jnp.arange(t)[None, :]
+    keep = lambda a, m: jnp.where(m.reshape(*m.shape, *([1] * (a.ndim - 2))), a, 0.0)  # noqa: E731
+
+    # 1. the head, recurrent (tokens 0 .. head - 1; only rows with whole chunks have one)
+    w_head = min(t, chunk - 1)
+    in_head = pos[:, :w_head] < head[:, None]
+    out_head, s = delta_rule_recurrent(q[:, :w_head], k[:, :w_head], v[:, :w_head], keep(g[:, :w_head], in_head),
+                                       keep(beta[:, :w_head], in_head), state)
+    # 2. the whole chunks, chunked, shifted so that they start at offset 0
+    if t >= chunk:
+        in_body = pos < body[:, None]
+        sh = [_shift_rows(a, head) for a in (q, k, v, g, beta)]
+        out_body, s = delta_rule_chunked(sh[0], sh[1], sh[2], keep(sh[3], in_body), keep(sh[4], in_body), s, chunk)
+        out_body = _gather_tokens(out_body, pos - head[:, None])  # back: shifted token i is token head + i
+    else:
+        out_body = None
+    # 3. the rest, recurrent, with the state after each token (fewer than 2 * chunk tokens: see above)
+    w_rest = min(t, 2 * chunk - 1)
+    in_rest = pos[:, :w_rest] < (n_valid - rest)[:, None]
+    sh = [_shift_rows(a, rest)[:, :w_rest] for a in (q, k, v, g, beta)]
+    out_rest, states = delta_rule_recurrent_states(sh[0], sh[1], sh[2], keep(sh[3], in_rest), keep(sh[4], in_rest), s)
+
+    out = jnp.zeros(v.shape[:3] + (out_rest.shape[-1],), out_rest.dtype)
+    out = out.at[:, :w_head].set(jnp.where((pos[:, :w_head] < head[:, None])[..., None, None], out_head, 0.0))
+    if out_body is not None:
+        in_body = (pos >= head[:, None]) & (pos < rest[:, None])
+        out = jnp.where(in_body[..., None, None], out_body, out)
+    from_rest = _gather_tokens(out_rest, pos - rest[:, None])  # token i is window token i - rest
+    out = jnp.where((pos >= rest[:, None])[..., None, None], from_rest, out)
+
+    ends = n_valid[:, None] if ends is None else ends
+    col = ends - 1 - rest[:, None]  # [B, K1]: the window offset of the token each column ends after
+    picked = _gather_tokens(states, col)
+    cols = jnp.where((col >= 0)[..., None, None, None], picked, s[:, None])
+    return out, cols
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -144,7 +201,7 @@ def delta_rule_kernels(q, k, v, g, beta, state, base=None, k1: int | None = None
     q, k [B, T, Hk, Dk] raw (not normalised, not repeated to Hv, any float dtype); v [B, T, Hv, Dv]; g, beta
     [B, T, Hv] fp32 with tokens past each row's valid length already identities (g = 0, beta = 0); state
     [B, Hv, Dk, Dv] fp32. Without `base`: returns (out [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv]).
-    With `base` [B] and k1 (the same contract as `delta_rule_checkpoints`, base + k1 <= T): the states after
+    With `base` [B] and k1 (the engine's checkpoint columns: the states after base + 1 .. base + k1 tokens, base + k1 <= T): the states after
     tokens base .. base + k1 - 1, [B, k1, Hv, Dk, Dv].
     """
     b, t = g.shape[:2]
@@ -238,13 +295,16 @@ def last_valid(x_full: jax.Array, n_valid: jax.Array, keep: int) -> jax.Array:
     return jnp.take_along_axis(x_full, idx[..., None], axis=1)
 
 
-def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_valid, ends=None):
+def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_valid, ends=None,
+                start=None):
     """One GDN layer. u [B, T, H]; conv_state [B, K-1, C]; rec_state [B, Hv, Dk, Dv] fp32; valid [B, T] bool.
 
     Returns (y [B, T, H], new conv_state, new rec_state). With `ends` [B, K1] (token counts base+1 .. base+K1, the
     engine's checkpoint columns) the states come back per column: conv [B, K1, K-1, C], rec [B, K1, Hv, Dk, Dv].
     rec_state may instead be a `StoreRecState` (with `ends`, only where `uses_kernels`): the kernels then update
-    the store leaf in place and the returned rec state is the StoreRecState holding the new leaf.
+    the store leaf in place and the returned rec state is the StoreRecState holding the new leaf. start [B]: the
+    absolute position of each row's first token (default 0), which places the delta rule's chunks
+    (`delta_rule_absolute`).
     """
     bsz, t, _ = u.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -280,13 +340,15 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
         q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)
         k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), rep, axis=2)
         v = v.astype(jnp.float32)
-        if ends is None:
+        start = jnp.zeros_like(n_valid) if start is None else start
+        if ends is None and (TRAINING_CHUNK or not fixed_order.enabled()):
             if t <= 4:
                 core, new_rec = delta_rule_recurrent(q, k, v, g, beta, rec_state)
             else:
                 core, new_rec = delta_rule_chunked(q, k, v, g, beta, rec_state, chunk=TRAINING_CHUNK or CHUNK)
-        else:
-            core, new_rec = delta_rule_checkpoints(q, k, v, g, beta, rec_state, ends[:, 0] - 1, ends.shape[1])
+        else:  # the engine (checkpoint columns), and a batch-invariant forward: chunks at absolute positions
+            core, new_rec = delta_rule_absolute(q, k, v, g, beta, rec_state, start, n_valid, ends)
+            new_rec = new_rec if ends is not None else new_rec[:, 0]
     else:
         base = None if ends is None else ends[:, 0] - 1
         k1 = None if ends is None else ends.shape[1]

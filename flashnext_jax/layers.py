@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fixed_order
+
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Zero-centred RMSNorm over the last axis."""
     xf = x.astype(jnp.float32)
-    out = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    out = xf * jax.lax.rsqrt(fixed_order.mean(xf * xf, -1, keepdims=True) + eps)
     return (out * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -27,7 +29,7 @@ def grouped_rms_norm(x: jax.Array, weight: jax.Array, group: int, eps: float) ->
     """Zero-centred RMSNorm of each `group`-wide slice of the last axis, then the full-width weight."""
     xf = x.astype(jnp.float32)
     g = xf.reshape(*x.shape[:-1], -1, group)
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    g = g * jax.lax.rsqrt(fixed_order.mean(g * g, -1, keepdims=True) + eps)
     return (g.reshape(x.shape) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -35,7 +37,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
     """GDN output norm: plain (not zero-centred) weight, then times act(gate); the only such norm in the model."""
     dtype = x.dtype
     xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
+    normed = (xf * jax.lax.rsqrt(fixed_order.mean(xf * xf, -1, keepdims=True) + eps)).astype(dtype)
     out = weight * normed
     act = jax.nn.sigmoid if activation == "sigmoid" else jax.nn.silu
     return (out.astype(jnp.float32) * act(gate.astype(jnp.float32))).astype(dtype)
@@ -77,18 +79,26 @@ def linear(x: jax.Array, w) -> jax.Array:
     quantized weight [K=in, N=out] run by the kernel switch.
 
     Accumulates in fp32; fp32 params use full-precision dots (no TF32 on GPU) so fp32 parity tests mean something.
+    With fixed-order reductions on (pallas_kernels.fixed_order, the default) a plain weight always takes the dot: a
+    token's value must not change when its step crosses SMALL_DOT_MAX_ROWS rows; and a single row goes in as two
+    (a zero row beside it): XLA's CPU backend computes a one-row dot as a matrix-vector product that rounds
+    differently from the same row among others (bench/results/invariance_probe_cpu.json).
     """
     if isinstance(w, jax.Array):
         rows = math.prod(x.shape[:-1])
-        if w.dtype != jnp.float32 and rows <= SMALL_DOT_MAX_ROWS and w.size <= SMALL_DOT_MAX_WEIGHTS:
+        small = w.dtype != jnp.float32 and rows <= SMALL_DOT_MAX_ROWS and w.size <= SMALL_DOT_MAX_WEIGHTS
+        if small and not fixed_order.enabled():  # batch invariance needs one path for every row count
             # A few tokens against a small weight (routers, in_proj_a/b, block_inject): an XLA row reduction.
             # As a dot, M >= 2 went to a cuBLAS / Triton GEMM of 9 us per call for a 33x2560 router (H200,
             # bench/results/decode_step.json, stop 10), ~1 ms of the B=2 real-size decode step.
             prod = x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32)
             return jnp.sum(prod, axis=-1).astype(x.dtype)
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+        one_row = rows == 1 and fixed_order.enabled()
+        xw = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))]) if one_row else x
+        y = jax.lax.dot_general(xw.astype(w.dtype), w, (((xw.ndim - 1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32)
+        y = y[0].reshape(*x.shape[:-1], -1) if one_row else y
         return y.astype(x.dtype)
     from pallas_kernels.quant_matmul import quant_matmul  # quantized weights only
 

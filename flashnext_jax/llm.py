@@ -122,7 +122,8 @@ class LLM:
         if pipelined:  # stages (pipeline.py, docs/pipeline.md)
             from .pipeline import make_pipeline
 
-            self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition)
+            self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition,
+                                        batch_invariant=engine_kwargs.get("batch_invariant", True))
             # up to one micro-batch per stage in flight: commits trail launches by stages - 1 steps
             pipeline_delay = self.runner.num_stages - 1 if pipeline_delay is None else pipeline_delay
             engine_kwargs.setdefault("max_rows_per_step", -(-max_num_seqs // self.runner.num_stages))

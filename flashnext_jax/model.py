@@ -120,7 +120,8 @@ def decoder_layer(lp: dict, cfg: ModelConfig, layer: int, x, ple_rows, positions
     if cfg.layer_types[layer] == GDN:
         with jax.named_scope("gdn"):
             y, new["gdn_conv"], new["gdn_rec"] = gdn_forward(lp["linear_attn"], cfg, u, layer_state["gdn_conv"],
-                                                             layer_state["gdn_rec"], valid, n_valid, ends)
+                                                             layer_state["gdn_rec"], valid, n_valid, ends,
+                                                             start=positions[:, 0])
     elif "qsa_pages" in layer_state:  # the engine's paged store, read and written in place (qsa_paged.py)
         with jax.named_scope("qsa"):
             y, new["qsa_pages"] = qsa_paged_forward(lp["self_attn"], cfg, u, positions, valid,

@@ -5,16 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import fixed_order
+
 from .config import ModelConfig
 from .layers import linear, linear_group
 
 
 def route(logits: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
     """Router logits [M, E] -> (expert ids [M, k] int32, weights [M, k] in dtype). Ties: lowest expert index first."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    probs = fixed_order.softmax(logits.astype(jnp.float32), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        top_p = top_p / fixed_order.tree_sum(top_p, -1, keepdims=True)
     return top_i.astype(jnp.int32), top_p.astype(dtype)
 
 

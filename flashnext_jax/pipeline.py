@@ -22,21 +22,25 @@ from typing import Any
 
 import jax
 
+from pallas_kernels import fixed_order
+
 from .engine import PackedBatch, model_step
 from .stages import StagePlan
 
 
 class PipelineRunner:
     """The engine's ModelRunner over a StagePlan. `profile=True` records when each stage finished each micro-batch
-    (a waiter thread per stage) for `StageTimeline.idle_fractions`."""
+    (a waiter thread per stage) for `StageTimeline.idle_fractions`. `batch_invariant`: the mode every stage's
+    program is traced and compiled in (pallas_kernels/fixed_order.py; the engine's config must agree)."""
 
-    def __init__(self, runner, plan: StagePlan, profile: bool = False):
+    def __init__(self, runner, plan: StagePlan, profile: bool = False, batch_invariant: bool = True):
         if plan.num_layers != runner.num_layers:
             raise ValueError(f"the stage plan covers {plan.num_layers} layers, the model has {runner.num_layers}")
         self.base, self.plan = runner, plan
         self.vocab_size, self.eos_token_id = runner.vocab_size, runner.eos_token_id
         self.max_model_len, self.k = runner.max_model_len, runner.k
         self.num_stages = plan.size
+        self.batch_invariant = batch_invariant
         self.shardings = tuple(st.sharding for st in plan.stages)
         self.params = tuple(jax.device_put(runner.stage_params(st.layers), st.sharding) for st in plan.stages)
         self.shapes_seen: set = set()
@@ -47,9 +51,9 @@ class PipelineRunner:
         for st in plan.stages:
             fn = _StageFn(runner, st.layers)
             if st.index == plan.size - 1:  # the engine's sampler runs after it, on the same devices
-                self._jits.append(jax.jit(model_step(fn, getattr(runner, "logits", None)), donate_argnums=(1,)))
-            else:
-                self._jits.append(jax.jit(fn, donate_argnums=(1,)))
+                fn = model_step(fn, getattr(runner, "logits", None))
+            options = fixed_order.compiler_options(batch_invariant)
+            self._jits.append(jax.jit(fn, donate_argnums=(1,), compiler_options=options))
 
     # ---- the ModelRunner protocol
     def store_spec(self):
@@ -67,6 +71,10 @@ class PipelineRunner:
     def pipeline_step(self, params, stores, batch, prompt_targets=None):
         """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs:
         engine.model_step's)."""
+        with fixed_order.batch_invariant(self.batch_invariant):  # a stage traced here keeps this mode
+            return self._launch(params, stores, batch, prompt_targets)
+
+    def _launch(self, params, stores, batch, prompt_targets):
         x, new, last = None, [], self.plan.size - 1
         for st, p, store, fn in zip(self.plan.stages, params, stores, self._jits, strict=True):
             names = self.base.stage_host_inputs(st.layers)
@@ -206,9 +214,9 @@ def schedule_idle_fractions(launched: list[bool], num_stages: int) -> list[float
 
 
 def make_pipeline(runner, pipeline_parallel_size: int, pp_layer_partition=None, devices=None,
-                  profile: bool = False) -> PipelineRunner:
+                  profile: bool = False, batch_invariant: bool = True) -> PipelineRunner:
     plan = StagePlan.build(runner.num_layers, pipeline_parallel_size, pp_layer_partition, devices)
-    return PipelineRunner(runner, plan, profile=profile)
+    return PipelineRunner(runner, plan, profile=profile, batch_invariant=batch_invariant)
 
 
 __all__ = ["PipelineRunner", "StageTimeline", "make_pipeline", "schedule_idle_fractions"]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fixed_order
+
 from .config import ModelConfig
 from .gdn import causal_conv, last_valid
 from .layers import grouped_rms_norm, linear_group
@@ -120,7 +122,7 @@ def ple_forward(p: dict, cfg: ModelConfig, x, rows, conv_state, valid, n_valid, 
     key, value = linear_group(e, p, ("key_proj", "value_proj"))
     key = grouped_rms_norm(key, p["norm_key"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
     query = grouped_rms_norm(x, p["norm_query"], h, cfg.rms_norm_eps).reshape(bsz, t, s, h)
-    gate = jnp.sum(key * query, axis=-1, keepdims=True) / math.sqrt(h)
+    gate = fixed_order.tree_sum(key * query, -1, keepdims=True) / math.sqrt(h)
     gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), 1e-6)) * jnp.sign(gate)
     gated = (jax.nn.sigmoid(gate) * value[:, :, None, :]).reshape(bsz, t, s * h)
     gated_normed = grouped_rms_norm(gated, p["norm_conv"], h, cfg.rms_norm_eps)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import fixed_order
+
 from .config import ModelConfig
 from .layers import apply_rope, linear, linear_group, rms_norm, rope_cos_sin
 from .mrope import MRope, mrope_cos_sin
@@ -35,7 +37,7 @@ def block_keys(p: dict, cfg: ModelConfig, raw, blocks, mrope: MRope | None = Non
     block numbers blocks [N] (or per row, [B, N]): RoPE at the block's first position of k_layernorm(mean_fp32(raw) cast back). With
     image input (`mrope`: an mrope.MRope table or SpanRope spans) that is the 3-D position of the block's first
     token."""
-    pooled = jnp.mean(raw.astype(jnp.float32), axis=2).astype(raw.dtype)
+    pooled = fixed_order.mean(raw.astype(jnp.float32), 2).astype(raw.dtype)
     pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
     if mrope is None:
         cos, sin = rope_cos_sin(blocks * cfg.indexer_compress_ratio, cfg.rotary_dim, cfg.rope_theta, pooled.dtype)
@@ -49,7 +51,7 @@ def block_scores(q_index, keys):
     """Indexer scores [B, T, N] = sum_h relu(<qI_h, kbar_n>) / sqrt(dI), fp32; q_index [B, T, nI, dI]."""
     scores = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32), keys.astype(jnp.float32),
                         precision="highest")
-    return jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
+    return fixed_order.tree_sum(jax.nn.relu(scores), 2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
 
 
 def project(p: dict, cfg: ModelConfig, u, positions, mrope: MRope | None = None):
@@ -143,7 +145,7 @@ def qsa_forward(p: dict, cfg: ModelConfig, u, positions, valid, cache, mrope: MR
     scores = jnp.einsum("btkgd,bskd->bkgts", qh, k_read, precision=precision,
                         preferred_element_type=jnp.float32) * (hd**-0.5)
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = fixed_order.softmax(scores, axis=-1)
     probs = jnp.where(allowed[:, None, None], probs, 0.0).astype(u.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_read, precision=precision, preferred_element_type=jnp.float32)
     out = out.astype(u.dtype).reshape(bsz, t, nh * hd) * jax.nn.sigmoid(gate)

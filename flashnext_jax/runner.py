@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .gdn import StoreRecState, uses_kernels
+from .gdn import CHUNK as GDN_CHUNK, StoreRecState, uses_kernels
 from .mrope import SpanRope
 from .request_images import encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
@@ -74,6 +74,9 @@ class RealRunner:
         # a loop over a 4K row's blocks, bench/results/select_decode.json), while the dense oracle and the MTP
         # layer's attention (still a dense per-row view) would copy the whole width
         self.one_page_width = self.paged_qsa and self.k == 0
+        # GDN computes whole 64-token chunks of a prompt in one piece only inside one step (gdn.delta_rule_absolute):
+        # a batch-invariant engine cuts prompts on this grid (SchedulerConfig.prefill_align)
+        self.prefill_align = GDN_CHUNK if self.n_gdn else 1
         # image prompts (a checkpoint with a vision tower): each slot holds its request's image spans
         self.max_images = int(max_images_per_prompt) if getattr(model, "vision", None) is not None else 0
 

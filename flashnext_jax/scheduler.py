@@ -101,6 +101,10 @@ class SchedulerConfig:
     max_rows_per_step: int | None = None
     # prefill chunks take the largest of these token counts that fits (EngineConfig.prefill_buckets)
     prefill_buckets: tuple[int, ...] | None = None
+    # batch invariance (docs/batch-invariance.md): where a prompt may be cut (a chunk's end, a prefix snapshot),
+    # `cut_allowed`. The model computes whole aligned blocks of its prompt (GDN: 64-token chunks) in one piece only
+    # when one step holds them, so a cut inside such a block would change the prompt's numbers. 1: anywhere.
+    prefill_align: int = 1
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -146,6 +150,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def cut_allowed(self, req: Request, length: int) -> bool:
+        """Whether a prompt may be cut after `length` tokens: on the prefill_align grid, or past the prompt's
+        last whole block (a block the prompt does not fill is never computed in one piece)."""
+        a = self.cfg.prefill_align
+        return length % a == 0 or length >= len(req.prompt) // a * a
 
     # ---- the plan of one step
     def schedule(self) -> list[RowPlan]:
@@ -193,17 +203,24 @@ class Scheduler:
         if self.cfg.enable_prefix_caching:
             bs = self.cfg.block_size
             b = ((start + n) // bs) * bs
-            if start < b < start + n:
+            if start < b < start + n and self.cut_allowed(req, b):
                 n = b - start  # end chunks on the snapshot grid so the boundary state is a checkpoint column
-            if (start + n) % bs == 0 and not self.ledger.has_snapshot(req.tokens[: start + n],
-                                                                          req.prefix_salt(start + n)):
-                cap = Capture(offset=n - 1, length=start + n)
+        if start + n < known and not self.cut_allowed(req, start + n):
+            a = self.cfg.prefill_align
+            n = (start + n) // a * a - start  # back to the grid; 0: the budget left cannot reach it, wait a step
+            if n <= 0:
+                return 0, None
+        if self.cfg.enable_prefix_caching and (start + n) % self.cfg.block_size == 0 \
+                and not self.ledger.has_snapshot(req.tokens[: start + n], req.prefix_salt(start + n)):
+            cap = Capture(offset=n - 1, length=start + n)
         return n, cap
 
     def _plan_running(self, req: Request, budget: int) -> RowPlan | None:
         start, known = req.num_computed, req.num_tokens
         if known - start > 1:  # prefill (or recompute) chunk
             n, cap = self._chunk(req, start, budget)
+            if n == 0:
+                return None
             return RowPlan(req, start, tuple(req.token_slice(start, start + n)), 0, start + n == known, cap)
         limit = self.cfg.max_model_len - 1 - (start + 1)  # accepted drafts + bonus must fit
         nd = max(0, min(len(req.drafts), self.cfg.num_speculative_tokens, limit))
@@ -246,12 +263,14 @@ class Scheduler:
         if self.cfg.enable_prefix_caching and getattr(req.params, "prompt_logprobs", None) is None:
             # with kept drafts the last token must stay uncomputed (it is verified together with them)
             hit = self.ledger.lookup(req.tokens[:-1] if req.drafts else req.tokens, self.cfg.block_size,
-                                     req.prefix_salt)
+                                     req.prefix_salt, allowed=lambda length: self.cut_allowed(req, length))
         start = len(hit.tokens) if hit else 0
         if hit:
             self.ledger.acquire(hit)
         try:
             n, cap = self._chunk(req, start, budget)
+            if n == 0:
+                return None
             ps = self.ledger.dims.page_size
             shared = list(hit.pages[: start // ps]) if hit else []
             partial = hit.pages[start // ps] if hit and start % ps else None

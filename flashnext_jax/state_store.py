@@ -491,10 +491,13 @@ class StoreLedger:
         self._ops.append(("copy_page", (src, dst)))
 
     # ---- prefix snapshots
-    def lookup(self, tokens: Sequence[int], block: int, salt: Salt = _no_salt) -> SnapEntry | None:
+    def lookup(self, tokens: Sequence[int], block: int, salt: Salt = _no_salt,
+               allowed: Callable[[int], bool] | None = None) -> SnapEntry | None:
         """Longest published snapshot at a multiple of `block` strictly shorter than `tokens` (with the images
-        `salt(length)` names for a prefix of that length)."""
+        `salt(length)` names for a prefix of that length), of a length `allowed` accepts (default: any)."""
         for m in range((len(tokens) - 1) // block, 0, -1):
+            if allowed is not None and not allowed(m * block):
+                continue
             key = prefix_key(tokens[: m * block], salt(m * block))
             e = self.snaps.get(key)
             if e is not None and e.tokens == tuple(tokens[: m * block]) and e.salt == salt(m * block):

@@ -20,6 +20,8 @@ from typing import Any, Callable, Hashable
 
 import jax
 
+from pallas_kernels import fixed_order
+
 log = logging.getLogger("flashnext_jax.engine")
 
 
@@ -40,11 +42,14 @@ class StepCache:
     """Compiled programs of `run` by key: the engine's model steps (`run(params, store, batch, prompt_targets)`,
     the store, argument 1, donated) and its samplers (engine.choose_tokens: nothing donated, its logprobs flag
     static). `name`: the jitted function's name, as the backend's live executables show it; `log_level`: of the
-    line each compile logs (a sampler is a small program that compiles often: debug)."""
+    line each compile logs (a sampler is a small program that compiles often: debug). `batch_invariant`: trace and
+    compile every program in that mode (pallas_kernels/fixed_order.py)."""
 
     def __init__(self, run: Callable, limit: int, donate_argnums: tuple[int, ...] = (1,),
-                 static_argnums: tuple[int, ...] = (), name: str = "run", log_level: int = logging.INFO):
+                 static_argnums: tuple[int, ...] = (), name: str = "run", log_level: int = logging.INFO,
+                 batch_invariant: bool = True):
         self._run, self._donate, self._static, self._name = run, donate_argnums, static_argnums, name
+        self.batch_invariant = batch_invariant
         self._log_level = log_level
         self.limit = limit
         self._lru: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
@@ -75,7 +80,8 @@ class StepCache:
         run.__name__ = run.__qualname__ = self._name
         jitted = jax.jit(run, donate_argnums=self._donate, static_argnums=self._static)
         t0 = time.perf_counter()
-        compiled = jitted.lower(*args).compile()
+        with fixed_order.batch_invariant(self.batch_invariant):
+            compiled = jitted.lower(*args).compile(fixed_order.compiler_options(self.batch_invariant))
         log.log(self._log_level, "compiled %s in %.1f s: %s", self._name, time.perf_counter() - t0,
                 memory_summary(compiled))
         with self._lock:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import fixed_order
+
 NEG_INF = -jnp.inf
 
 
@@ -21,7 +23,7 @@ def indexer_scores(q_index, keys, n_complete, block0):
     """
     scores = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32), keys.astype(jnp.float32),
                         precision="highest")
-    scores = jnp.sum(jax.nn.relu(scores), axis=2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
+    scores = fixed_order.tree_sum(jax.nn.relu(scores), 2) / jnp.sqrt(jnp.float32(keys.shape[-1]))
     blocks = block0 + jnp.arange(keys.shape[1])
     return jnp.where(blocks[None, None, :] < n_complete[..., None], scores, NEG_INF)
 
@@ -55,7 +57,7 @@ def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, 
         precision = "highest" if qt.dtype == jnp.float32 else None
         s = jnp.einsum("btkgd,btskd->btkgs", qt, k, precision=precision, preferred_element_type=jnp.float32)
         s = jnp.where(on[:, :, None, None], s * (qt.shape[-1] ** -0.5), NEG_INF)
-        p = jnp.where(on[:, :, None, None], jax.nn.softmax(s, axis=-1), 0.0).astype(qt.dtype)
+        p = jnp.where(on[:, :, None, None], fixed_order.softmax(s, axis=-1), 0.0).astype(qt.dtype)
         return jnp.einsum("btkgs,btskd->btkgd", p, v, precision=precision,
                           preferred_element_type=jnp.float32).astype(qt.dtype)
 

@@ -1,0 +1,90 @@
+"""Reductions whose rounding does not depend on the shape around them (batch invariance, docs/batch-invariance.md).
+
+XLA emits a reduction with a vectorization and association that depend on the whole operand's shape, so a
+token's sum over its own 64 features rounded differently when its step held 8 tokens or 16 (measured on the CPU:
+the PLE gate's `jnp.sum(key * query, -1)`). A request's output then depended on what ran beside it. Here a sum
+over an axis is a pairwise tree of explicit adds, halving the axis each level (zero-padded to a power of two), so
+every element of the result is the same expression of its own inputs whatever the other axes hold. Max is exact
+in any order and stays `jnp.max`.
+
+The other half is a compiler option (`COMPILER_OPTIONS`): XLA's excess precision lets a fusion skip a bf16
+rounding, and which ops share a fusion depends on the shapes, so it too made a token's value depend on its step's
+shape (docs/batch-invariance.md). Invariant programs are compiled with it off.
+
+The engine can turn both off (`EngineConfig.batch_invariant`): `batch_invariant(False)` around tracing selects
+XLA's reductions instead. The setting is read at trace time, so a program keeps the mode it was traced in; the
+engine's `StepCache` traces each program afresh under its own setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+_ENABLED = contextvars.ContextVar("flashnext_batch_invariant", default=True)
+
+
+def compiler_options(on: bool = True) -> dict:
+    """XLA options of a program compiled in the given mode (pass to `jax.jit` or `.compile`)."""
+    return {"xla_allow_excess_precision": not on}
+
+
+def enabled() -> bool:
+    """Whether code traced now uses the fixed-order forms (the default)."""
+    return _ENABLED.get()
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool):
+    """Trace the enclosed code with fixed-order reductions on or off."""
+    token = _ENABLED.set(bool(on))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a pairwise tree in index order: ((x0 + x1) + (x2 + x3)) + ... (XLA's reduce when off)."""
+    if not enabled():
+        return jnp.sum(x, axis=axis, keepdims=keepdims)
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    x = x[..., 0]
+    return jnp.expand_dims(x, axis) if keepdims else x
+
+
+def mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    return tree_sum(x, axis, keepdims) / x.shape[axis]
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    if not enabled():
+        return jax.nn.softmax(x, axis=axis)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True)))
+    return e / tree_sum(e, axis, keepdims=True)
+
+
+def logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """log(sum(exp(x))) over `axis`; a row of -inf gives -inf."""
+    if not enabled():
+        return jax.nn.logsumexp(x, axis=axis, keepdims=keepdims)
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    out = jnp.log(tree_sum(jnp.exp(x - m), axis, keepdims=True)) + m
+    return out if keepdims else jnp.squeeze(out, axis)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    if not enabled():
+        return jax.nn.log_softmax(x, axis=axis)
+    return x - logsumexp(x, axis, keepdims=True)
