@@ -48,10 +48,12 @@ def batch_invariant(on: bool):
 
 
 def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over `axis` as a pairwise tree in index order: ((x0 + x1) + (x2 + x3)) + ... (XLA's reduce when off)."""
+    """Sum over `axis` as a pairwise tree in index order: ((x0 + x1) + (x2 + x3)) + ... (XLA's reduce when off).
+    Low-precision inputs are summed in float32 and the sum rounded once, as XLA's and torch's reductions do."""
     if not enabled():
         return jnp.sum(x, axis=axis, keepdims=keepdims)
-    x = jnp.moveaxis(x, axis, -1)
+    dtype = x.dtype
+    x = jnp.moveaxis(x, axis, -1).astype(jnp.promote_types(dtype, jnp.float32))
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -59,7 +61,7 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
-    x = x[..., 0]
+    x = x[..., 0].astype(dtype)
     return jnp.expand_dims(x, axis) if keepdims else x
 
 
