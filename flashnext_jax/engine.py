@@ -386,8 +386,9 @@ class EngineConfig:
     # compiled samplers kept (choose_tokens): small programs, ~100 memory maps each on the CPU (a model step ~1,000)
     max_compiled_samplers: int = 64
     # a request's tokens and logits do not depend on what runs beside it (batch size, token bucket, chunk
-    # boundaries): fixed-order reductions, one matmul path per weight, no excess precision (docs/batch-invariance.md)
-    batch_invariant: bool = True
+    # boundaries): fixed-order reductions, one matmul path per weight, no excess precision (docs/batch-invariance.md).
+    # None: fixed_order.default_mode() (on for the CPU; the GPU's kernels are not invariant yet)
+    batch_invariant: bool | None = None
 
 
 class Engine:
@@ -399,6 +400,8 @@ class Engine:
             raise ValueError("pipeline_delay must be in 0..max(3, pipeline stages)")
         if hasattr(runner, "pipeline_step"):  # compile-ahead lowers one jitted step; a pipeline has one per stage
             cfg = dataclasses.replace(cfg, compile_ahead=False)
+        if cfg.batch_invariant is None:
+            cfg = dataclasses.replace(cfg, batch_invariant=fixed_order.default_mode())
         if cfg.num_speculative_tokens > runner.k:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order

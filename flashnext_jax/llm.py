@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+from pallas_kernels import fixed_order
+
 from .engine import Engine, EngineConfig, ModelRunner
 from .media import DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
 from .sampling import SamplingParams, TokenLogprob
@@ -122,8 +124,10 @@ class LLM:
         if pipelined:  # stages (pipeline.py, docs/pipeline.md)
             from .pipeline import make_pipeline
 
+            if engine_kwargs.get("batch_invariant") is None:  # the stages are traced in the engine's mode
+                engine_kwargs["batch_invariant"] = fixed_order.default_mode()
             self.runner = make_pipeline(self.runner, pipeline_parallel_size, pp_layer_partition,
-                                        batch_invariant=engine_kwargs.get("batch_invariant", True))
+                                        batch_invariant=engine_kwargs["batch_invariant"])
             # up to one micro-batch per stage in flight: commits trail launches by stages - 1 steps
             pipeline_delay = self.runner.num_stages - 1 if pipeline_delay is None else pipeline_delay
             engine_kwargs.setdefault("max_rows_per_step", -(-max_num_seqs // self.runner.num_stages))

@@ -32,6 +32,14 @@ def compiler_options(on: bool = True) -> dict:
     return {"xla_allow_excess_precision": not on}
 
 
+def default_mode() -> bool:
+    """The engine's batch invariance when not asked (EngineConfig.batch_invariant=None): on where every path a
+    step takes is invariant in that mode, the CPU. The GPU's matmul, GDN and QSA kernels still pick their
+    reduction order by shape (bench/results/invariance_probe_h100.json), so there the mode would cost speed
+    without the guarantee: off until they do not (docs/batch-invariance.md)."""
+    return jax.default_backend() == "cpu"
+
+
 def enabled() -> bool:
     """Whether code traced now uses the fixed-order forms (the default)."""
     return _ENABLED.get()
