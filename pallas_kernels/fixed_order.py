@@ -7,7 +7,7 @@ over an axis is a pairwise tree of explicit adds, halving the axis each level (z
 every element of the result is the same expression of its own inputs whatever the other axes hold. Max is exact
 in any order and stays `jnp.max`.
 
-The other half is a compiler option (`COMPILER_OPTIONS`): XLA's excess precision lets a fusion skip a bf16
+The other half is a compiler option (`compiler_options`): XLA's excess precision lets a fusion skip a bf16
 rounding, and which ops share a fusion depends on the shapes, so it too made a token's value depend on its step's
 shape (docs/batch-invariance.md). Invariant programs are compiled with it off.
 

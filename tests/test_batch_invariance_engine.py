@@ -13,12 +13,13 @@ import random
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule, run_state_machine_as_test
+from hypothesis.stateful import initialize, run_state_machine_as_test
 
 import flashnext_jax as fj
 from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.runner import RealRunner
-from state_machine import EngineHarness, EngineMachine
+from state_machine import EngineHarness
+from test_engine_real import RealEngineMachine
 
 MAX_LEN = 256
 PAGE = 8
@@ -137,17 +138,14 @@ class Bf16Harness(EngineHarness):
 COVER: dict = {}
 
 
-class Bf16EngineMachine(EngineMachine):
+class Bf16EngineMachine(RealEngineMachine):
+    """The fp32 machine's rules (arrivals, runs, aborts) on the bf16 harness."""
+
     @initialize(D=st.integers(0, 3), slots=st.sampled_from([1, 2, 3, 3]), budget=st.integers(2, 8),
                 prefix=st.booleans(), block=st.integers(2, 5), seed=st.integers(0, 2**16),
                 tight=st.sampled_from([False, True]), accept_p=st.sampled_from([0.0, 0.5, 0.9]))
     def setup(self, D, slots, budget, prefix, block, seed, tight, accept_p):
         self.h = Bf16Harness(D, slots, budget, prefix, block, seed, tight, accept_p)
-
-    @rule(m=st.integers(0, 5), delta=st.sampled_from([-1, 0, 0, 1]), corpus=st.integers(0, 1),
-          mutate=st.booleans(), max_tokens=st.integers(1, 10), ignore_eos=st.booleans())
-    def arrive(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
-        self.h.add(m, delta, corpus, mutate, max_tokens, ignore_eos)
 
 
 def test_bf16_engine_machine_equals_solo_bitwise():
