@@ -67,6 +67,8 @@ def run_jax(prompts, new, reps, spec_k: int = 0):
                      max_model_len=256, page_size=16, speculative_config=spec)
         sp = fj.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         llm.generate(prompts[:bs], sp)  # warm-up: compiles every shape bucket this run uses
+        llm.engine._ahead.wait_all()  # and the wider steps it started compiling in the background (compile_ahead.py):
+        # on 2 cores a background compile (~7 s for an MTP step) would share the timed runs' cores
         steps_before = llm.engine.counters["steps"]
         best, outs = float("inf"), None
         for _ in range(reps):

@@ -117,11 +117,14 @@ def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chun
     pos = jnp.arange(t)[None, :]
     keep = lambda a, m: jnp.where(m.reshape(*m.shape, *([1] * (a.ndim - 2))), a, 0.0)  # noqa: E731
 
-    # 1. the head, recurrent (tokens 0 .. head - 1; only rows with whole chunks have one)
-    w_head = min(t, chunk - 1)
-    in_head = pos[:, :w_head] < head[:, None]
-    out_head, s = delta_rule_recurrent(q[:, :w_head], k[:, :w_head], v[:, :w_head], keep(g[:, :w_head], in_head),
-                                       keep(beta[:, :w_head], in_head), state)
+    # 1. the head, recurrent (tokens 0 .. head - 1; only rows with whole chunks have one, so none when t < chunk:
+    #    then head = rest = 0 and everything is the recurrent rest below)
+    w_head = min(t, chunk - 1) if t >= chunk else 0
+    s = state
+    if w_head:
+        in_head = pos[:, :w_head] < head[:, None]
+        out_head, s = delta_rule_recurrent(q[:, :w_head], k[:, :w_head], v[:, :w_head], keep(g[:, :w_head], in_head),
+                                           keep(beta[:, :w_head], in_head), state)
     # 2. the whole chunks, chunked, shifted so that they start at offset 0
     if t >= chunk:
         in_body = pos < body[:, None]
@@ -133,21 +136,22 @@ def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chun
     # 3. the rest, recurrent, with the state after each token (fewer than 2 * chunk tokens: see above)
     w_rest = min(t, 2 * chunk - 1)
     in_rest = pos[:, :w_rest] < (n_valid - rest)[:, None]
-    sh = [_shift_rows(a, rest)[:, :w_rest] for a in (q, k, v, g, beta)]
+    sh = [_shift_rows(a, rest)[:, :w_rest] if t >= chunk else a for a in (q, k, v, g, beta)]  # else rest = 0
     out_rest, states = delta_rule_recurrent_states(sh[0], sh[1], sh[2], keep(sh[3], in_rest), keep(sh[4], in_rest), s)
+    ends = n_valid[:, None] if ends is None else ends
+    col = ends - 1 - rest[:, None]  # [B, K1]: the window offset of the token each column ends after
+    cols = jnp.where((col >= 0)[..., None, None, None], _gather_tokens(states, col), s[:, None])
+    if t < chunk:  # one step's decode or verify tokens, a short prefill: all of it is the recurrent rest (rest = 0)
+        return out_rest, cols
 
     out = jnp.zeros(v.shape[:3] + (out_rest.shape[-1],), out_rest.dtype)
-    out = out.at[:, :w_head].set(jnp.where((pos[:, :w_head] < head[:, None])[..., None, None], out_head, 0.0))
+    if w_head:
+        out = out.at[:, :w_head].set(jnp.where((pos[:, :w_head] < head[:, None])[..., None, None], out_head, 0.0))
     if out_body is not None:
         in_body = (pos >= head[:, None]) & (pos < rest[:, None])
         out = jnp.where(in_body[..., None, None], out_body, out)
     from_rest = _gather_tokens(out_rest, pos - rest[:, None])  # token i is window token i - rest
     out = jnp.where((pos >= rest[:, None])[..., None, None], from_rest, out)
-
-    ends = n_valid[:, None] if ends is None else ends
-    col = ends - 1 - rest[:, None]  # [B, K1]: the window offset of the token each column ends after
-    picked = _gather_tokens(states, col)
-    cols = jnp.where((col >= 0)[..., None, None, None], picked, s[:, None])
     return out, cols
 
 

@@ -322,20 +322,23 @@ class RealRunner:
         for name, a in zip(("mtp_k", "mtp_v", "mtp_index"), cache):
             store = write_pages(store, name, batch.page_table, q, wvalid, _take_tokens(a, rpos))
 
-        # drafts: column c = MTP(h at tail token, e(argmax)) at the tail token's position, chained k times
-        out = []
-        one = jnp.ones((B,), jnp.int32)
-        for c in range(K1):
-            h = h_tail[:, c][:, None]
-            pos = start + tail[:, c]
-            y = jnp.argmax(logits[:, c], axis=-1).astype(jnp.int32)
-            cc, col = cache, []
-            for i in range(k):
-                dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc, mrope)
-                col.append(dl[:, 0])
-                y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
-            out.append(jnp.stack(col, 1))
-        return store, jnp.stack(out, 1)  # [B, K1, k, V]
+        # drafts: column c = MTP(h at tail token, e(argmax)) at the tail token's position, chained k times. The K1
+        # columns are alternative futures (one per accepted count), so each needs the cache without the others'
+        # draft keys: they run as K1 * B rows of one call, each on its own copy of its row's cache (one MTP layer
+        # call per draft instead of K1: on the CPU each call's ~100 small ops cost more than its arithmetic)
+        rows = lambda a: jnp.repeat(a, K1, axis=0)  # noqa: E731  [B, ...] -> [B * K1, ...], row b * K1 + c
+        h = h_tail.reshape(B * K1, 1, h_tail.shape[-1])
+        pos = (start[:, None] + tail).reshape(B * K1)
+        y = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(B * K1)
+        cc = tuple(rows(a) for a in cache)
+        spans = None if mrope is None else dataclasses.replace(mrope, spans=rows(mrope.spans))
+        one = jnp.ones((B * K1,), jnp.int32)
+        col = []
+        for i in range(k):
+            dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc, spans)
+            col.append(dl[:, 0])
+            y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
+        return store, jnp.stack(col, 1).reshape(B, K1, k, -1)  # [B, K1, k, V]
 
 
 __all__ = ["RealRunner"]
