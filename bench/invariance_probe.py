@@ -6,7 +6,8 @@ switch by M (`quant_matmul.dispatch_path`: GEMV for M <= 2, the tensor-core kern
 above), so every op is tried across those thresholds, with XLA's excess precision on (the default) and off (the
 per-compile option `xla_allow_excess_precision`).
 
-    H200:  PYTHONPATH=. python3 bench/invariance_probe.py            (~1-2 min)
+    H200:  PYTHONPATH=. python3 bench/invariance_probe.py [--invariant]   (~1-2 min; --invariant: the ops as a
+           batch-invariant step traces them, one kernel configuration for every M)
     CPU:   JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/invariance_probe.py --quick
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.quant_matmul import random_qweight  # noqa: E402
 from flashnext_jax.layers import linear, rms_norm  # noqa: E402
+from pallas_kernels import fixed_order  # noqa: E402
+from pallas_kernels.moe_matmul import routed_experts  # noqa: E402
 from pallas_kernels.quant_matmul import dispatch_path, quant_matmul  # noqa: E402
 
 H = 2560
@@ -39,7 +42,18 @@ def ops(key):
     small = (jax.random.normal(k[4], (48, H), jnp.float32) * 0.02).astype(jnp.bfloat16)      # in_proj_a/b-sized
     dense = (jax.random.normal(k[5], (4096, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
     norm_w = jax.random.normal(k[6], (H,), jnp.float32).astype(jnp.bfloat16) * 0.1
+    experts, inter, top = 64, 512, 8
+    moe_gu = random_qweight(k[7], (experts,), H, 2 * inter, 4, 128)
+    moe_down = random_qweight(jax.random.fold_in(k[7], 1), (experts,), inter, H, 4, 128)
+    ids_all = jax.vmap(lambda r: jax.random.permutation(r, experts)[:top])(
+        jax.random.split(jax.random.fold_in(k[7], 2), 8192)).astype(jnp.int32)  # row i's experts, whatever M
+    wts_all = jax.random.uniform(jax.random.fold_in(k[7], 3), (8192, top), jnp.float32, 0.05, 0.2)
+
+    def moe(x):
+        m = x.shape[0]
+        return routed_experts(x, ids_all[:m], wts_all[:m], moe_gu, moe_down)
     return {
+        "moe_int4_64x2560x512": (moe, H, lambda m: "moe"),
         "quant_int4_2560x4096": (lambda x: quant_matmul(x, q4_up), H, lambda m: dispatch_path((m, H), q4_up)),
         "quant_int4_4096x2560": (lambda x: quant_matmul(x, q4_down), 4096, lambda m: dispatch_path((m, 4096), q4_down)),
         "quant_int8_2560x1280": (lambda x: quant_matmul(x, q8), H, lambda m: dispatch_path((m, H), q8)),
@@ -55,8 +69,12 @@ def _bits_equal(a, b) -> bool:
     return a.tobytes() == b.tobytes()
 
 
+INVARIANT = None  # --invariant: trace every op as a batch-invariant engine step does (fixed_order)
+
+
 def compiled(fn, x, excess: bool):
-    return jax.jit(fn).lower(x).compile(compiler_options={"xla_allow_excess_precision": excess})
+    with fixed_order.batch_invariant(bool(INVARIANT)):
+        return jax.jit(fn).lower(x).compile(compiler_options={"xla_allow_excess_precision": excess})
 
 
 def main():
@@ -64,7 +82,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer row counts (CPU smoke)")
     ap.add_argument("--rows-checked", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--invariant", action="store_true",
+                    help="trace under fixed_order.batch_invariant(True): one kernel configuration for every M")
     args = ap.parse_args()
+    global INVARIANT
+    INVARIANT = args.invariant
     ms = [1, 2, 3, 8, 9, 32, 33] if args.quick else [1, 2, 3, 4, 8, 9, 16, 32, 33, 64, 128, 256, 1024, 8192]
     key = jax.random.PRNGKey(0)
     table = ops(key)
@@ -91,7 +113,7 @@ def main():
                                     and not r["equal"]] for e in (True, False)} for op in table}
     summary_m2 = {op: {f"excess_{e}": [r["m"] for r in rows if r["op"] == op and r["excess_precision"] == e
                                        and not r["equal_to_m2"]] for e in (True, False)} for op in table}
-    result = dict(device=getattr(dev, "device_kind", str(dev)), jax_version=jax.__version__,
+    result = dict(device=getattr(dev, "device_kind", str(dev)), jax_version=jax.__version__, invariant=INVARIANT,
                   date=datetime.date.today().isoformat(), rows=rows, summary={"row_counts_that_differ": summary,
                                                                       "row_counts_that_differ_from_m2": summary_m2})
     out = args.out or os.path.join(os.environ.get("OUT", "bench/results"), "invariance_probe.json")

@@ -24,7 +24,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-_ENABLED = contextvars.ContextVar("flashnext_batch_invariant", default=True)
+_ENABLED = contextvars.ContextVar("flashnext_batch_invariant", default=None)  # None: default_mode()
 
 
 def compiler_options(on: bool = True) -> dict:
@@ -41,8 +41,10 @@ def default_mode() -> bool:
 
 
 def enabled() -> bool:
-    """Whether code traced now uses the fixed-order forms (the default)."""
-    return _ENABLED.get()
+    """Whether code traced now uses the fixed-order forms and the kernels' invariant configurations: the enclosing
+    `batch_invariant(on)`, else `default_mode()` (so a kernel benchmark on the GPU measures the fast dispatch)."""
+    on = _ENABLED.get()
+    return default_mode() if on is None else on
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import fixed_order
 from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_call_options, gemv_layout
 from pallas_kernels.quant_layout import (LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl,
                                          unstacked)
@@ -558,6 +559,14 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: st
     quantized = isinstance(w_gate_up, kinds) and isinstance(w_down, kinds)
     if mode == "reference" or not quantized:
         return routed_experts_reference(x, expert_ids, expert_weights, unstacked(w_gate_up), unstacked(w_down))
+    if path == "auto" and fixed_order.enabled() and config is None:
+        # batch-invariant traces: one path and one tiling for every M (the GEMV path and the tile sizes each round
+        # a row differently; pallas_kernels/fixed_order.py)
+        path, config = "tiles", MoEConfig()
+        try:
+            check_moe_shapes(x.shape, expert_ids.shape, w_gate_up, w_down)
+        except ValueError:
+            return routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, impl="reference")
     if path == "auto":
         small = x.shape[0] * expert_ids.shape[1] <= MOE_GEMV_MAX_PAIRS
         path = "gemv" if small and not isinstance(config, MoEConfig) else "tiles"

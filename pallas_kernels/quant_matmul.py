@@ -28,6 +28,9 @@ bench/results/quant_matmul.json and bench/results/quant_sweep.json (device time 
   scale multiply per group) reaches only 0.02-0.12. The kernel's prefill tiling stays available
   (path='kernel') and tested.
 
+Batch-invariant traces (`fixed_order.enabled()`) skip that dispatch: every M takes the tensor-core kernel in one
+configuration (`invariant_config`), since the GEMV kernel, this kernel and XLA's dot each round a row differently.
+
 The GEMV kernel used for M <= 2 lives in quant_gemv.py (its design and instruction counts are described there).
 """
 
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import fixed_order
 from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
                                        default_gemv_config, quant_matmul_gemv)
 from pallas_kernels.quant_layout import (PLANE_FORMATS, LayerSlice, QuantizedWeight, check_dense_operands, dequantize,
@@ -277,6 +281,21 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
                        weights_left=True)
 
 
+def invariant_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseConfig:
+    """The batch-invariant configuration (pallas_kernels/fixed_order.py): a row's result must not depend on M.
+
+    What sets a row's rounding is the order of its additions: the split of the K groups (fp32 partials summed by
+    XLA) and the operand order of the tensor-core dot. So the split depends on K and N only, never on M, and the
+    weights are always the dot's left operand; only BM follows M (16 or 64), which leaves each row's arithmetic
+    alone (bench/results/quant_invariance_*.json: every weights-left configuration gives the same bits at every M
+    from 1 to 8192; weights-right BM 128 does not). Split 4 keeps decode within ~1.0-1.2x of the auto dispatch
+    on the H100 (M <= 32), at 2.5-3x its time for prefill-sized M, where auto takes XLA's dot."""
+    n_groups = k // group_size
+    splits = 4 if n_groups % 4 == 0 else 2 if n_groups % 2 == 0 else 1
+    return DenseConfig(bm=16 if m <= 16 else 64, bn=pow2_divisor(n, 64 if bits == 4 else 128), splits=splits,
+                       groups_per_iter=1, num_warps=4, num_stages=1 if bits == 8 else 3, weights_left=True)
+
+
 # --------------------------------------------------------------------------------------------- entry points
 
 def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: DenseConfig | None = None,
@@ -354,6 +373,13 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
     mode = resolve_impl(impl)
     if mode == "reference" or not isinstance(w, (QuantizedWeight, LayerSlice)):
         return quant_matmul_reference(x, unstacked(w))
+    if path == "auto" and fixed_order.enabled() and config is None:
+        try:
+            check_kernel_shape(x.shape, w)
+            return quant_matmul_pallas(x, w, config=invariant_config(x.shape[0], w.k, w.n, w.bits, w.group_size),
+                                       interpret=(mode == "interpret"))
+        except ValueError:  # a shape the kernel cannot tile: every row count takes XLA's path below
+            return dequant_dot_xla(x, w)
     if path == "gemv":
         return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import moe_matmul
+from pallas_kernels import fixed_order, moe_matmul
 from pallas_kernels import quant_layout as ql
 from pallas_kernels.quant_gemv import gemv_call_options
 from pallas_kernels.moe_matmul import (MoEConfig, MoEGemvConfig, _tile_routing, default_moe_config, num_tiles_for,
@@ -255,7 +255,34 @@ def test_fused_glue_leaves_one_xla_op_and_none_between_the_kernels(splits_gate_u
     assert [e.primitive.name for e in eqns[calls[1] + 1:]] == ["reduce_sum", "convert_element_type"]
 
 
-def test_auto_path_takes_gemv_for_few_pairs_and_tiles_above(monkeypatch):
+@pytest.fixture
+def fast_dispatch():
+    """The shape-dependent dispatch (a batch-invariant trace, the CPU's default, takes one path: tested below)."""
+    with fixed_order.batch_invariant(False):
+        yield
+
+
+def test_batch_invariant_traces_take_the_tiles_path_at_every_token_count(monkeypatch):
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 3, 2)
+    ids = jnp.asarray([[1, 4], [4, 7], [0, 7]], jnp.int32)
+    configs = []
+    real = moe_matmul.routed_experts_pallas
+    monkeypatch.setattr(moe_matmul, "routed_experts_pallas",
+                        lambda *a, **k: configs.append(k["config"]) or real(*a, **k))
+    monkeypatch.setattr(moe_matmul, "routed_experts_gemv", lambda *a, **k: pytest.fail("GEMV path"))
+    with fixed_order.batch_invariant(True):
+        ys = [np.asarray(routed_experts(x[:m], ids[:m], wts[:m], wgu, wd, impl="interpret")) for m in (1, 2, 3)]
+    assert configs == [MoEConfig()] * 3
+    ref = np.asarray(routed_experts_reference(x, ids, wts, wgu, wd), np.float32)
+    np.testing.assert_allclose(ys[-1].astype(np.float32), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max(),
+                               err_msg=f"seed={seed}")
+    for m, y in zip((1, 2), ys):  # each token's row does not depend on the others (interpreted kernels)
+        assert y.tobytes() == ys[-1][:m].tobytes(), m
+
+
+def test_auto_path_takes_gemv_for_few_pairs_and_tiles_above(monkeypatch, fast_dispatch):
     rng, seed = fresh_rng()
     wgu, wd = experts(rng)
     x, wts = inputs(rng, 2, 2)

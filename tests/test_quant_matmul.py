@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import fixed_order
 from pallas_kernels import quant_layout as ql
 from pallas_kernels import quant_gemv as qg
 from pallas_kernels import quant_matmul as qm
@@ -465,5 +466,26 @@ def test_auto_dispatch_takes_gemv_for_one_or_two_tokens_then_the_tensor_core_ker
     real = qm.quant_matmul_gemv
     monkeypatch.setattr(qm, "quant_matmul_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = random_x(rng, 2, 256)
-    assert_close_to_reference(quant_matmul(x, w, impl="interpret"), x, w, seed)
+    with fixed_order.batch_invariant(False):  # the fast dispatch (batch-invariant traces: the test below)
+        assert_close_to_reference(quant_matmul(x, w, impl="interpret"), x, w, seed)
     assert calls, "path='auto' at M = 2 must run the GEMV kernel"
+
+
+def test_batch_invariant_traces_take_one_kernel_configuration_for_every_row_count(monkeypatch):
+    """Under fixed_order.batch_invariant(True) path='auto' runs the tensor-core kernel at every M (no GEMV, no XLA
+    dot), with the split and the operand order fixed by K and N alone; only BM follows M."""
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 512, 64, 4, 128)
+    configs = []
+    real = qm.quant_matmul_pallas
+    monkeypatch.setattr(qm, "quant_matmul_pallas", lambda *a, **k: configs.append(k["config"]) or real(*a, **k))
+    monkeypatch.setattr(qm, "quant_matmul_gemv", lambda *a, **k: pytest.fail("GEMV in a batch-invariant trace"))
+    monkeypatch.setattr(qm, "dequant_dot_xla", lambda *a, **k: pytest.fail("XLA dot in a batch-invariant trace"))
+    x = random_x(rng, 40, 512)
+    with fixed_order.batch_invariant(True):
+        ys = {m: np.asarray(quant_matmul(x[:m], w, impl="interpret")) for m in (1, 2, 3, 33, 40)}
+    assert {(c.splits, c.bn, c.weights_left, c.groups_per_iter) for c in configs} == {(4, 64, True, 1)}
+    assert {c.bm for c in configs} == {16, 64}
+    assert_close_to_reference(jnp.asarray(ys[40]), x, w, seed)
+    for m, y in ys.items():  # the interpreted kernel's rows do not depend on M either
+        assert y.tobytes() == ys[40][:m].tobytes(), m
