@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.quant_matmul import random_qweight  # noqa: E402
 from flashnext_jax.layers import linear, rms_norm  # noqa: E402
 from pallas_kernels import fixed_order  # noqa: E402
+from pallas_kernels.dense_matmul import dense_matmul  # noqa: E402
+from pallas_kernels.kernel_switch import resolve_impl  # noqa: E402
 from pallas_kernels.moe_matmul import routed_experts  # noqa: E402
 from pallas_kernels.quant_matmul import dispatch_path, quant_matmul  # noqa: E402
 
@@ -60,6 +62,8 @@ def ops(key):
         "linear_bf16_router_512": (lambda x: linear(x, router), H, lambda m: "reduce" if m <= 8 else "dot"),
         "linear_bf16_small_48": (lambda x: linear(x, small), H, lambda m: "reduce" if m <= 8 else "dot"),
         "linear_bf16_4096": (lambda x: linear(x, dense), H, lambda m: "dot"),
+        "dense_matmul_4096": (lambda x: dense_matmul(x, dense, interpret=resolve_impl(None) == "interpret"), H,
+                              lambda m: "pallas"),
         "rms_norm": (lambda x: rms_norm(x, norm_w, 1e-6), H, lambda m: "xla"),
         "log_softmax_f32": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), H, lambda m: "xla"),
     }

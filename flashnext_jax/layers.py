@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import fixed_order
+from pallas_kernels.dense_matmul import dense_matmul
+from pallas_kernels.kernel_switch import resolve_impl
 
 
 
@@ -93,6 +95,11 @@ def linear(x: jax.Array, w) -> jax.Array:
             # bench/results/decode_step.json, stop 10), ~1 ms of the B=2 real-size decode step.
             prod = x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32)
             return jnp.sum(prod, axis=-1).astype(x.dtype)
+        if fixed_order.enabled() and w.dtype != jnp.float32 and resolve_impl(None) == "pallas" and w.shape[1] % 16 == 0:
+            # on the GPU a batch-invariant trace cannot use XLA's dot (cuBLAS picks its algorithm by M): the
+            # fixed-order Pallas dot, whose rows do not depend on M (pallas_kernels/dense_matmul.py)
+            y = dense_matmul(x.reshape(-1, x.shape[-1]).astype(w.dtype), w, out_dtype=jnp.float32)
+            return y.reshape(*x.shape[:-1], -1).astype(x.dtype)
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         one_row = rows == 1 and fixed_order.enabled()
         xw = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))]) if one_row else x
