@@ -7,12 +7,13 @@ points jit themselves with `interpret` static, so a reference trace is never reu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from tiny_configs import tiny_config
 
 from flashnext_jax import gdn
 from flashnext_jax.config import GDN
 from flashnext_jax.weights import random_params
-from pallas_kernels import gdn_reference
+from pallas_kernels import fixed_order, gdn_reference
 
 CFG = tiny_config()
 KERNEL_ENTRY_POINTS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule_slots", "chunk_gated_delta_rule_varlen")
@@ -170,6 +171,8 @@ def test_pallas_with_bf16_activations_uses_the_kernels(monkeypatch, t, k1, entry
     p16 = _gdn_params(jnp.bfloat16)
     inputs = make_inputs(300 + t, [t], t, jnp.bfloat16)
     ends = None if k1 is None else runner_ends(inputs[4], k1)
-    with pytest.raises(KernelCalled):
+    # the GPU's default mode (fixed_order.default_mode(): batch invariance off there); on, the projections would
+    # take the Pallas dense_matmul, which this CPU cannot run un-interpreted
+    with fixed_order.batch_invariant(False), pytest.raises(KernelCalled):
         run(monkeypatch, "pallas", p16, inputs, ends)
     assert seen == ["pallas"]
