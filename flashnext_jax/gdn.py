@@ -117,22 +117,20 @@ def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chun
     pos = jnp.arange(t)[None, :]
     keep = lambda a, m: jnp.where(m.reshape(*m.shape, *([1] * (a.ndim - 2))), a, 0.0)  # noqa: E731
 
-    # 1. the head, recurrent (tokens 0 .. head - 1; only rows with whole chunks have one, so none when t < chunk:
-    #    then head = rest = 0 and everything is the recurrent rest below)
-    w_head = min(t, chunk - 1) if t >= chunk else 0
+    # 1.-2. only a step of at least one chunk can hold a whole chunk; below that head = rest = 0 and every token is
+    # the recurrent rest (3.)
+    w_head = min(t, chunk - 1)
     s = state
-    if w_head:
+    if t >= chunk:
+        # 1. the head, recurrent (tokens 0 .. head - 1; only rows with whole chunks have one)
         in_head = pos[:, :w_head] < head[:, None]
         out_head, s = delta_rule_recurrent(q[:, :w_head], k[:, :w_head], v[:, :w_head], keep(g[:, :w_head], in_head),
                                            keep(beta[:, :w_head], in_head), state)
-    # 2. the whole chunks, chunked, shifted so that they start at offset 0
-    if t >= chunk:
+        # 2. the whole chunks, chunked, shifted so that they start at offset 0
         in_body = pos < body[:, None]
         sh = [_shift_rows(a, head) for a in (q, k, v, g, beta)]
         out_body, s = delta_rule_chunked(sh[0], sh[1], sh[2], keep(sh[3], in_body), keep(sh[4], in_body), s, chunk)
         out_body = _gather_tokens(out_body, pos - head[:, None])  # back: shifted token i is token head + i
-    else:
-        out_body = None
     # 3. the rest, recurrent, with the state after each token (fewer than 2 * chunk tokens: see above)
     w_rest = min(t, 2 * chunk - 1)
     in_rest = pos[:, :w_rest] < (n_valid - rest)[:, None]
@@ -145,11 +143,9 @@ def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chun
         return out_rest, cols
 
     out = jnp.zeros(v.shape[:3] + (out_rest.shape[-1],), out_rest.dtype)
-    if w_head:
-        out = out.at[:, :w_head].set(jnp.where((pos[:, :w_head] < head[:, None])[..., None, None], out_head, 0.0))
-    if out_body is not None:
-        in_body = (pos >= head[:, None]) & (pos < rest[:, None])
-        out = jnp.where(in_body[..., None, None], out_body, out)
+    out = out.at[:, :w_head].set(jnp.where((pos[:, :w_head] < head[:, None])[..., None, None], out_head, 0.0))
+    in_body = (pos >= head[:, None]) & (pos < rest[:, None])
+    out = jnp.where(in_body[..., None, None], out_body, out)
     from_rest = _gather_tokens(out_rest, pos - rest[:, None])  # token i is window token i - rest
     out = jnp.where((pos >= rest[:, None])[..., None, None], from_rest, out)
     return out, cols

@@ -97,7 +97,8 @@ def linear(x: jax.Array, w) -> jax.Array:
             return jnp.sum(prod, axis=-1).astype(x.dtype)
         if fixed_order.enabled() and w.dtype != jnp.float32 and resolve_impl(None) == "pallas" and w.shape[1] % 16 == 0:
             # on the GPU a batch-invariant trace cannot use XLA's dot (cuBLAS picks its algorithm by M): the
-            # fixed-order Pallas dot, whose rows do not depend on M (pallas_kernels/dense_matmul.py)
+            # fixed-order Pallas dot, whose rows do not depend on M (pallas_kernels/dense_matmul.py). K not a
+            # multiple of 16 (no such plain weight in the model) stays on XLA's dot, not invariant on the GPU.
             y = dense_matmul(x.reshape(-1, x.shape[-1]).astype(w.dtype), w, out_dtype=jnp.float32)
             return y.reshape(*x.shape[:-1], -1).astype(x.dtype)
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None

@@ -561,12 +561,8 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: st
         return routed_experts_reference(x, expert_ids, expert_weights, unstacked(w_gate_up), unstacked(w_down))
     if path == "auto" and fixed_order.enabled() and config is None:
         # batch-invariant traces: one path and one tiling for every M (the GEMV path and the tile sizes each round
-        # a row differently; pallas_kernels/fixed_order.py)
-        path, config = "tiles", MoEConfig()
-        try:
-            check_moe_shapes(x.shape, expert_ids.shape, w_gate_up, w_down)
-        except ValueError:
-            return routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, impl="reference")
+        # a row differently; pallas_kernels/fixed_order.py). A MoEConfig makes "auto" below take the tiles.
+        config = MoEConfig()
     if path == "auto":
         small = x.shape[0] * expert_ids.shape[1] <= MOE_GEMV_MAX_PAIRS
         path = "gemv" if small and not isinstance(config, MoEConfig) else "tiles"

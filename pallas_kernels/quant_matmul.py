@@ -376,10 +376,10 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
     if path == "auto" and fixed_order.enabled() and config is None:
         try:
             check_kernel_shape(x.shape, w)
-            return quant_matmul_pallas(x, w, config=invariant_config(x.shape[0], w.k, w.n, w.bits, w.group_size),
-                                       interpret=(mode == "interpret"))
-        except ValueError:  # a shape the kernel cannot tile: every row count takes XLA's path below
+        except ValueError:  # a shape the kernel cannot tile: every row count takes XLA's path
             return dequant_dot_xla(x, w)
+        return quant_matmul_pallas(x, w, config=invariant_config(x.shape[0], w.k, w.n, w.bits, w.group_size),
+                                   interpret=(mode == "interpret"))
     if path == "gemv":
         return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):
