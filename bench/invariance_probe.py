@@ -62,7 +62,7 @@ def ops(key):
         "linear_bf16_router_512": (lambda x: linear(x, router), H, lambda m: "reduce" if m <= 8 else "dot"),
         "linear_bf16_small_48": (lambda x: linear(x, small), H, lambda m: "reduce" if m <= 8 else "dot"),
         "linear_bf16_4096": (lambda x: linear(x, dense), H, lambda m: "dot"),
-        "dense_matmul_4096": (lambda x: dense_matmul(x, dense, interpret=resolve_impl(None) == "interpret"), H,
+        "dense_matmul_4096": (lambda x: dense_matmul(x, dense, interpret=resolve_impl(None) != "pallas"), H,
                               lambda m: "pallas"),
         "rms_norm": (lambda x: rms_norm(x, norm_w, 1e-6), H, lambda m: "xla"),
         "log_softmax_f32": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), H, lambda m: "xla"),

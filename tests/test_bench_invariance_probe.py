@@ -15,10 +15,12 @@ def test_invariance_probe_quick_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     ops = {r["op"] for r in rows}
-    assert len(ops) == 8 and {r["m"] for r in rows} == {2, 3, 8, 9, 32, 33}
-    assert len(rows) == 8 * 2 * 6
+    assert len(ops) == 10 and {r["m"] for r in rows} == {2, 3, 8, 9, 32, 33}
+    assert len(rows) == 10 * 2 * 6
     # a row-wise norm cannot depend on the other rows: the probe must call it invariant everywhere
     assert all(r["equal"] and r["equal_to_m2"] for r in rows if r["op"] == "rms_norm")
+    # dense_matmul keeps one reduction order for every M (interpreted here): it must come out invariant
+    assert all(r["equal"] for r in rows if r["op"] == "dense_matmul_4096")
     # every M=2 row equals itself: the M=2 comparison is wired to the M=2 call
     assert all(r["equal_to_m2"] for r in rows if r["m"] == 2)
     # the quant matmul's path labels follow the dispatch thresholds (GEMV to 2, the kernel to 32, XLA above)
