@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import inspect
 import json
 import os
 import sys
@@ -35,7 +37,8 @@ H = 2560
 
 
 def ops(key):
-    """name -> (function of x [M, K], K, a description of the path by M)."""
+    """name -> (function of x [M, K] (and, for MoE, `start`: the batch index of x's first row), K, a description
+    of the path by M)."""
     k = jax.random.split(key, 8)
     q4_up = random_qweight(k[0], (), H, 4096, 4, 128)       # an attention-sized projection, INT4 g128
     q4_down = random_qweight(k[1], (), 4096, H, 4, 128)
@@ -51,9 +54,10 @@ def ops(key):
         jax.random.split(jax.random.fold_in(k[7], 2), 8192)).astype(jnp.int32)  # row i's experts, whatever M
     wts_all = jax.random.uniform(jax.random.fold_in(k[7], 3), (8192, top), jnp.float32, 0.05, 0.2)
 
-    def moe(x):
+    def moe(x, start=0):
+        """Rows start.. of the batch: row i is routed to the same experts whether it runs alone or beside others."""
         m = x.shape[0]
-        return routed_experts(x, ids_all[:m], wts_all[:m], moe_gu, moe_down)
+        return routed_experts(x, ids_all[start:start + m], wts_all[start:start + m], moe_gu, moe_down)
     return {
         "moe_int4_64x2560x512": (moe, H, lambda m: "moe"),
         "quant_int4_2560x4096": (lambda x: quant_matmul(x, q4_up), H, lambda m: dispatch_path((m, H), q4_up)),
@@ -76,7 +80,10 @@ def _bits_equal(a, b) -> bool:
 INVARIANT = None  # --invariant: trace every op as a batch-invariant engine step does (fixed_order)
 
 
-def compiled(fn, x, excess: bool):
+def compiled(fn, x, excess: bool, start: int = 0):
+    """fn jitted for x's shape; `start` (the batch index of x's first row) reaches only the ops that take it."""
+    if start and "start" in inspect.signature(fn).parameters:
+        fn = functools.partial(fn, start=start)
     with fixed_order.batch_invariant(bool(INVARIANT)):
         return jax.jit(fn).lower(x).compile(compiler_options={"xla_allow_excess_precision": excess})
 
@@ -85,6 +92,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer row counts (CPU smoke)")
     ap.add_argument("--rows-checked", type=int, default=4)
+    ap.add_argument("--ms", default=None, help="comma-separated row counts to try (default: 1 to 8192)")
+    ap.add_argument("--only", default=None, help="comma-separated op names (default: all)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--invariant", action="store_true",
                     help="trace under fixed_order.batch_invariant(True): one kernel configuration for every M")
@@ -94,11 +103,18 @@ def main():
     ms = [1, 2, 3, 8, 9, 32, 33] if args.quick else [1, 2, 3, 4, 8, 9, 16, 32, 33, 64, 128, 256, 1024, 8192]
     key = jax.random.PRNGKey(0)
     table = ops(key)
+    if args.ms:
+        ms = sorted({1, 2, *(int(m) for m in args.ms.split(","))})
+    if args.only:
+        unknown = set(args.only.split(",")) - set(table)
+        if unknown:
+            ap.error(f"unknown ops {sorted(unknown)}; known: {sorted(table)}")
+        table = {name: table[name] for name in args.only.split(",")}
     rows = []
     for name, (fn, k, path_of) in table.items():
         x_all = jax.random.normal(jax.random.fold_in(key, 99), (max(ms), k), jnp.float32).astype(jnp.bfloat16)
         for excess in (True, False):
-            solo = [np.asarray(compiled(fn, x_all[i:i + 1], excess)(x_all[i:i + 1]))[0]
+            solo = [np.asarray(compiled(fn, x_all[i:i + 1], excess, start=i)(x_all[i:i + 1]))[0]
                     for i in range(args.rows_checked)]
             pair = np.asarray(compiled(fn, x_all[:2], excess)(x_all[:2]))
             for m in ms[1:]:
