@@ -6,8 +6,10 @@ switch by M (`quant_matmul.dispatch_path`: GEMV for M <= 2, the tensor-core kern
 above), so every op is tried across those thresholds, with XLA's excess precision on (the default) and off (the
 per-compile option `xla_allow_excess_precision`).
 
-    H200:  PYTHONPATH=. python3 bench/invariance_probe.py [--invariant]   (~1-2 min; --invariant: the ops as a
-           batch-invariant step traces them, one kernel configuration for every M)
+    H200:  PYTHONPATH=. python3 bench/invariance_probe.py [--invariant] [--ms 4,8,32,512] [--only OPS]
+           (--invariant: the ops as a batch-invariant step traces them, one kernel configuration for every M; the
+           default 14 row counts up to 8,192 take more than 150 s at the real size: bound a run with --ms / --only;
+           on the GPU the GDN kernels are an op too, rows of 128 tokens, up to 32 rows)
     CPU:   JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/invariance_probe.py --quick
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.quant_matmul import random_qweight  # noqa: E402
+from flashnext_jax.gdn import delta_rule_kernels  # noqa: E402
 from flashnext_jax.layers import linear, rms_norm  # noqa: E402
 from pallas_kernels import fixed_order  # noqa: E402
 from pallas_kernels.dense_matmul import dense_matmul  # noqa: E402
@@ -58,7 +61,7 @@ def ops(key):
         """Rows start.. of the batch: row i is routed to the same experts whether it runs alone or beside others."""
         m = x.shape[0]
         return routed_experts(x, ids_all[start:start + m], wts_all[start:start + m], moe_gu, moe_down)
-    return {
+    table = {
         "moe_int4_64x2560x512": (moe, H, lambda m: "moe"),
         "quant_int4_2560x4096": (lambda x: quant_matmul(x, q4_up), H, lambda m: dispatch_path((m, H), q4_up)),
         "quant_int4_4096x2560": (lambda x: quant_matmul(x, q4_down), 4096, lambda m: dispatch_path((m, 4096), q4_down)),
@@ -71,6 +74,36 @@ def ops(key):
         "rms_norm": (lambda x: rms_norm(x, norm_w, 1e-6), H, lambda m: "xla"),
         "log_softmax_f32": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), H, lambda m: "xla"),
     }
+    if resolve_impl(None) == "pallas":  # the GDN kernels have no CPU lowering (interpreted they take minutes here)
+        table["gdn_kernels_store_t128"] = (gdn_rows(jax.random.fold_in(key, 7)), H, lambda m: "gdn kernels")
+    return table
+
+
+GDN_ROWS, GDN_T = 32, 128  # the GDN op's rows (sequences) and tokens per row: two 64-token chunks
+
+
+def gdn_rows(key):
+    """The delta rule as the engine runs it on the GPU (`gdn.delta_rule_kernels` with a checkpoint column: the
+    store path) over rows of GDN_T tokens at the real head sizes; row i's inputs are the same whatever M (x's
+    values are not used, only its row count and `start`). Rows past GDN_ROWS are not tried."""
+    hk, hv, d = 16, 48, 128
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (GDN_ROWS, GDN_T, hk, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (GDN_ROWS, GDN_T, hk, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (GDN_ROWS, GDN_T, hv, d), jnp.float32).astype(jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], (GDN_ROWS, GDN_T, hv), jnp.float32, 0.01, 0.5)
+    beta = jax.random.uniform(ks[4], (GDN_ROWS, GDN_T, hv), jnp.float32, 0.1, 0.9)
+
+    def gdn(x, start=0):
+        m = x.shape[0]
+        rows = lambda a: a[start:start + m]  # noqa: E731
+        state = jnp.zeros((m, hv, d, d), jnp.float32)
+        base = jnp.full((m,), GDN_T - 1, jnp.int32)
+        out, _ = delta_rule_kernels(rows(q), rows(k), rows(v), rows(g), rows(beta), state, base, 1,
+                                    impl="pallas" if resolve_impl(None) == "pallas" else "interpret")
+        return out.reshape(m, -1)
+    gdn.max_rows = GDN_ROWS
+    return gdn
 
 
 def _bits_equal(a, b) -> bool:
@@ -118,6 +151,8 @@ def main():
                     for i in range(args.rows_checked)]
             pair = np.asarray(compiled(fn, x_all[:2], excess)(x_all[:2]))
             for m in ms[1:]:
+                if m > getattr(fn, "max_rows", m):
+                    continue
                 y = np.asarray(compiled(fn, x_all[:m], excess)(x_all[:m]))
                 n = min(m, args.rows_checked)
                 diffs = [np.max(np.abs(y[i].astype(np.float32) - solo[i].astype(np.float32))) for i in range(n)]
