@@ -40,7 +40,7 @@ H = 2560
 
 
 def ops(key):
-    """name -> (function of x [M, K] (and, for MoE, `start`: the batch index of x's first row), K, a description
+    """name -> (function of x [M, K] (and, for MoE and GDN, `start`: the batch index of x's first row), K, a description
     of the path by M)."""
     k = jax.random.split(key, 8)
     q4_up = random_qweight(k[0], (), H, 4096, 4, 128)       # an attention-sized projection, INT4 g128
