@@ -10,15 +10,16 @@ along the model's greedy continuation of each bench prompt (`training.mtp_accept
     PYTHONPATH=. JAX_PLATFORMS=cpu .venv/bin/python tools/distill_mtp.py [--prompts 1024] [--steps 1500]
         [--write CHECKPOINT_DIR] [--out result.json]
 
-Measured on the 2-core machine (stop 38, demo model, float32): 1,024 prompts x 64 tokens (43 s to generate),
-1,500 steps of 16 x 96 tokens (108 s): acceptance along the bench prompts 0.54 -> 0.68 and 0.65 -> 0.73
-(256 prompts, 300 steps: 0.62 and 0.73). `--write` replaces the checkpoint's mtp.* tensors atomically
+Measured on the 2-core machine (stop 38, demo model, float32, the defaults: bench/results/distill_mtp_cpu.json):
+1,024 prompts x 64 tokens (51 s to generate), 1,500 steps of 16 x 96 tokens (110 s): acceptance along the bench
+prompts 0.54 -> 0.71 and 0.65 -> 0.71. `--write` replaces the checkpoint's mtp.* tensors atomically
 (`mtp_checkpoint.write_mtp`); the demo model's transformers fixtures hold MTP logits, so re-record them
 (tools/make_fixtures.py) after writing into flashnext_jax/demo_model/.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import flashnext_jax as fj  # noqa: E402
@@ -66,9 +68,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON with the acceptances before and after")
     a = ap.parse_args()
 
-    llm = fj.LLM(a.checkpoint, dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
-                 page_size=16)
     model = fj.load(a.checkpoint, dtype="float32")
+    llm = fj.LLM(model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, page_size=16)
     tok = Tokenizer.from_dir(model.path)
     sp = fj.SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
 
@@ -87,7 +88,8 @@ def main() -> None:
                     seed=a.seed, target="model")
     train_s = time.perf_counter() - t0
     after = [mtp_acceptance(model, s, res.params) for s in along]
-    result = {"prompts": a.prompts, "new_tokens": a.new_tokens, "steps": a.steps, "learning_rate": a.learning_rate,
+    result = {"device": jax.default_backend(), "jax_version": jax.__version__,
+              "date": datetime.date.today().isoformat(), "prompts": a.prompts, "new_tokens": a.new_tokens, "steps": a.steps, "learning_rate": a.learning_rate,
               "generate_s": gen_s, "train_s": train_s, "loss_first_last": [res.losses[0], res.losses[-1]],
               "acceptance_before": before, "acceptance_after": after}
     print(json.dumps(result, indent=1))
