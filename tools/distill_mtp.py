@@ -89,7 +89,8 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     after = [mtp_acceptance(model, s, res.params) for s in along]
     result = {"device": jax.default_backend(), "jax_version": jax.__version__,
-              "date": datetime.date.today().isoformat(), "prompts": a.prompts, "new_tokens": a.new_tokens, "steps": a.steps, "learning_rate": a.learning_rate,
+              "date": datetime.date.today().isoformat(), "prompts": a.prompts, "new_tokens": a.new_tokens,
+              "steps": a.steps, "learning_rate": a.learning_rate,
               "generate_s": gen_s, "train_s": train_s, "loss_first_last": [res.losses[0], res.losses[-1]],
               "acceptance_before": before, "acceptance_after": after}
     print(json.dumps(result, indent=1))
