@@ -907,7 +907,8 @@ def load_trained(src: Path):
             else:
                 mtp[k] = v
     else:
-        sd = {k: v.float() for k, v in release_to_causal_state_dict(src).items()}
+        # floats to fp32; the int64 PLE buffers (hash multipliers ~1e16) stay integers: .float() would round them
+        sd = {k: v.float() if v.is_floating_point() else v for k, v in release_to_causal_state_dict(src).items()}
         mtp = {}
         for f in sorted(src.glob("model-*.safetensors")):
             mtp.update({k: v for k, v in load_file(str(f)).items() if k.startswith("mtp.")})
