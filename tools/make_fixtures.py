@@ -3,6 +3,8 @@
 
 Run:  /work/venvfx/bin/python tools/make_fixtures.py        (the `fixtures` extra: torch 2.13.0 CPU,
       transformers >= 5.24 with models/qwen4_exp, tokenizers, safetensors, numpy; Python 3.11 venv)
+      PyPI's torch 2.13.0 wheel is the CUDA one: it imports (and runs on the CPU) only with its nvidia-* / cuda-toolkit
+      dependencies installed, so install `torch==2.13.0` with its dependencies, not `--no-deps`.
 
 Outputs (deterministic for a given venv: single torch thread; ~30 s on 2 CPU cores, `--search` longer):
   tests/fixtures/tiny_causal/        transformers' own `save_pretrained` of Qwen4ExpForCausalLM (bf16,
