@@ -1,0 +1,146 @@
+"""Which op of the whole engine step first rounds a request's row differently beside another request (issue 19,
+the GPU part after bench/invariance_probe.py found every probed op row-invariant).
+
+The engine (`LLM` over `RealRunner`, as bench/batch_invariance.py builds it: real config cut to --layers layers,
+random INT4-Mixed weights, bf16, batch-invariant mode) runs request A alone, then A beside B. Each sublayer output
+of the decoder (PLE, hyper read, GDN / QSA mixer, hyper write, MoE, and the final logits) is tapped with
+`jax.debug.callback` in both runs; A's rows of the first prefill step are compared bitwise, tap by tap, in the
+order the step computes them. The first tap that differs names the op; everything before it is shown equal.
+(A tap forces its value into memory; both runs carry the same taps, so they compare like with like.)
+
+    GPU:  PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/invariance_layers.py --out $OUT/x.json
+    CPU:  JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/invariance_layers.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import batch_invariance as bi
+from bench import decode_step
+from flashnext_jax import api, model as model_mod
+from flashnext_jax.sampling import SamplingParams
+
+TAPS: list[tuple[str, np.ndarray]] = []  # (name, value) in the order the step computes them
+_COUNT = {"n": 0}
+
+
+def _tap(name: str, value):
+    """Record `value` under `name` (with a running index, so repeated layers get distinct names)."""
+    def record(v):
+        TAPS.append((name, np.asarray(v)))
+    jax.debug.callback(record, value, ordered=True)
+
+
+def _tapped(fn, name: str, pick=lambda out: out):
+    def run(*a, **k):
+        out = fn(*a, **k)
+        _tap(name, pick(out))
+        return out
+    return run
+
+
+def install_taps():
+    """Wrap the sublayers `model.decoder_layer` calls (its module-level names) and the final logits."""
+    m = model_mod
+    m.ple_forward = _tapped(m.ple_forward, "ple", lambda o: o[0])
+    m.hyper_read = _tapped(m.hyper_read, "hyper_read", lambda o: o[0])
+    m.gdn_forward = _tapped(m.gdn_forward, "gdn", lambda o: o[0])
+    m.qsa_paged_forward = _tapped(m.qsa_paged_forward, "qsa_paged", lambda o: o[0])
+    m.qsa_forward = _tapped(m.qsa_forward, "qsa_dense", lambda o: o[0])
+    m.hyper_write = _tapped(m.hyper_write, "hyper_write")
+    m.moe_forward = _tapped(m.moe_forward, "moe")
+    from flashnext_jax import runner
+    runner.final_logits = _tapped(runner.final_logits, "final_logits")
+
+
+def first_prefill_taps(lm, prompts, sp) -> list[tuple[str, np.ndarray]]:
+    """Taps of the first engine step of `prompts` submitted together."""
+    TAPS.clear()
+    reqs = [lm._add(p, sp) for p in prompts]
+    lm.engine.step()
+    jax.effects_barrier()
+    taps = list(TAPS)
+    while not all(r.finished for r in reqs):
+        lm.engine.step()
+    for r in reqs:
+        lm._forget(r.request_id)
+    return taps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--non-invariant", action="store_true", help="the fast mode instead (a control)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    install_taps()
+    cfg = bi.model_config(args)
+    plan = bi.plan_of(args)
+    params, _, _ = decode_step.build(cfg, jax.random.key(args.seed))
+    model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+    del params
+    lm = bi.make_llm(model, not args.non_invariant, plan)
+    rng = np.random.default_rng(args.seed)
+    lens = (plan["prompt_max"] // 2, plan["prompt_max"] // 3)  # both fit one chunk: one prefill step together
+    prompts = [rng.integers(1, cfg.vocab_size - 1, size=n).tolist() for n in lens]
+    sp = SamplingParams(max_tokens=plan["tokens"], temperature=0.0, ignore_eos=True)
+
+    solo = first_prefill_taps(lm, [prompts[0]], sp)
+    pair = first_prefill_taps(lm, prompts, sp)
+    again = first_prefill_taps(lm, [prompts[0]], sp)
+    n = lens[0]
+    rows = []
+    first = None
+    for i, ((name, a), (name2, b), (_, c)) in enumerate(zip(solo, pair, again)):
+        assert name == name2, (name, name2)
+        if a.ndim >= 2 and a.shape[0] != b.shape[0]:  # [B, T, ...]: request A is row 0 of both steps
+            a, b, c = a[0, :n], b[0, :n], c[0, :n]
+        elif a.ndim >= 2:
+            a, b, c = a[0, :n], b[0, :n], c[0, :n]
+        equal = a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        diff = float(np.max(np.abs(a.astype(np.float32) - b.astype(np.float32)))) if a.shape == b.shape else None
+        repeat = np.array_equal(a.view(np.uint8), c.view(np.uint8))
+        rows.append(dict(index=i, tap=name, shape=list(a.shape), equal=bool(equal), max_abs_diff=diff,
+                         solo_repeat_equal=bool(repeat)))
+        if not equal and first is None:
+            first = rows[-1]
+        print(f"{i:3d} {name:14s} {str(tuple(a.shape)):22s} {'EQUAL' if equal else 'differs'} "
+              f"{diff if diff else 0:.3g}  solo again: {'equal' if repeat else 'DIFFERS'}", flush=True)
+    print(f"first differing tap: {first}")
+    res = dict(summary=dict(first_differing_tap=first, taps=len(rows), mode="non_invariant" if args.non_invariant
+                            else "invariant", device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                            date=datetime.date.today().isoformat()),
+               prompt_lengths=list(lens), rows=rows, config=dict(layers=cfg.num_hidden_layers,
+                                                                  experts=cfg.num_experts, tiny=args.tiny))
+    out = args.out or os.path.join(os.environ.get("OUT", "/tmp"), "invariance_layers.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
