@@ -325,6 +325,12 @@ def routed_experts_pallas(x, expert_ids, expert_weights, w_gate_up: QuantizedWei
         interpret=interpret, compiler_params=params, name=f"moe_down_w{w_down.bits}",
     )(tile_expert, act, *d_planes, w_down.scales)
 
+    if fixed_order.enabled():
+        # batch-invariant traces: the k products added in a fixed tree of elementwise adds, which XLA cannot
+        # reorder or tile by the row count (as a dot or reduce, how the fp32 sum is split may follow M; the
+        # H100 step probe saw the MoE of layer 0 round a row differently at 2 x 512 rows: docs/batch-invariance.md)
+        weighted = expert_weights.astype(jnp.float32)[..., None] * y[pos]  # [M, k, H]
+        return fixed_order.tree_sum(weighted, axis=1).astype(x.dtype)
     out = jnp.einsum("mk,mkh->mh", expert_weights.astype(jnp.float32), y[pos])
     return out.astype(x.dtype)
 

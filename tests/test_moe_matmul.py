@@ -328,3 +328,21 @@ def test_gemv_clear_errors():
         routed_experts_gemv(x, ids, wts, wgu, wd, config=MoEGemvConfig(splits_gate_up=3), interpret=True)
     with pytest.raises(ValueError, match="rows=128"):
         routed_experts_gemv(x, ids, wts, wgu, wd, config=MoEGemvConfig(rows=128), interpret=True)
+
+
+def test_batch_invariant_tiles_add_the_k_experts_without_a_dot_or_reduce():
+    """In a batch-invariant trace the tiles path combines the k expert outputs as a fixed tree of elementwise adds:
+    no dot_general or reduce after the kernels, whose split of the fp32 sum XLA could choose by the row count."""
+    rng, _ = fresh_rng()
+    wgu, wd = experts(rng)
+    x, wts = inputs(rng, 3, 2)
+    ids = jnp.asarray([[1, 4], [4, 7], [0, 7]], jnp.int32)
+    for on, want_dot in ((True, False), (False, True)):
+        with fixed_order.batch_invariant(on):
+            eqns = jax.make_jaxpr(lambda *a: moe_matmul.routed_experts_pallas(*a, config=MoEConfig(), interpret=True))(
+                x, ids, wts, wgu, wd).jaxpr.eqns
+        last = max(i for i, e in enumerate(eqns) if e.primitive.name == "pallas_call")
+        after = {e.primitive.name for e in eqns[last + 1:]}
+        assert ("dot_general" in after) == want_dot, after
+        if on:
+            assert not any(n.startswith("reduce") for n in after), after
