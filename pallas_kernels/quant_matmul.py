@@ -335,7 +335,10 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config
         name=f"quant_matmul_w{w.bits}g{g}_bm{bm}_bn{cfg.bn}_s{cfg.splits}{'_wl' if cfg.weights_left else ''}",
     )(x, *planes, scales)
     if split_out:
-        y = y.sum(axis=0).astype(x.dtype)
+        # batch-invariant traces add the split partials as a fixed tree of elementwise adds: as an XLA reduce,
+        # fused into what reads it, its order can follow the program's row count (the H100 step probe saw the QSA
+        # indexer's INT8 projection round a row differently at 2 x 512 rows: docs/batch-invariance.md)
+        y = fixed_order.tree_sum(y, axis=0).astype(x.dtype)  # XLA's sum when the mode is off
     return y
 
 

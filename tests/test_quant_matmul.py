@@ -489,3 +489,23 @@ def test_batch_invariant_traces_take_one_kernel_configuration_for_every_row_coun
     assert_close_to_reference(jnp.asarray(ys[40]), x, w, seed)
     for m, y in ys.items():  # the interpreted kernel's rows do not depend on M either
         assert y.tobytes() == ys[40][:m].tobytes(), m
+
+
+def test_batch_invariant_trace_adds_the_split_partials_without_a_reduce():
+    """In a batch-invariant trace the split-K partials are added as a fixed tree of elementwise adds after the
+    kernel (an XLA reduce, fused into its reader, could order them by the program's row count); the result stays
+    the reference's, and each row is the same at every M."""
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 4 * 64, 128, 8, 64, dtype=jnp.bfloat16)
+    x = random_x(rng, 3, 4 * 64)
+    cfg = DenseConfig(bm=16, bn=64, splits=4, groups_per_iter=1, weights_left=True)
+    for on in (True, False):
+        with fixed_order.batch_invariant(on):
+            eqns = jax.make_jaxpr(lambda a: quant_matmul_pallas(a, w, config=cfg, interpret=True))(x).jaxpr.eqns
+        last = max(i for i, e in enumerate(eqns) if e.primitive.name == "pallas_call")
+        reduces = [e.primitive.name for e in eqns[last + 1:] if e.primitive.name.startswith("reduce")]
+        assert bool(reduces) == (not on), reduces
+    with fixed_order.batch_invariant(True):
+        ys = [np.asarray(quant_matmul_pallas(x[:m], w, config=cfg, interpret=True)) for m in (1, 3)]
+    assert_close_to_reference(jnp.asarray(ys[1]), x, w, seed)
+    assert ys[0].tobytes() == ys[1][:1].tobytes()
