@@ -44,9 +44,10 @@ def capture(name: str, spec_k: int, new_tokens: int):
     real_call = step_cache.StepCache.call
 
     def call(cache, key, args):
+        out = real_call(cache, key, args)
         if cache._name == "run" and key.tokens <= 1 + spec_k:
-            got["step"] = (cache.get(key) or cache.compile(key, args), args)
-        return real_call(cache, key, args)
+            got["step"] = (cache.get(key), args)  # the store (args[1]) is donated: capture copies the ledger's
+        return out
 
     real_mtp = runner.RealRunner._mtp
     step_cache.StepCache.call = call
