@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import decode_step
+from bench import decode_step, device_profile
 from bench.engine_step import RandomPleRunner
 from bench.real_size import _COMPILES, tiny_config  # importing real_size also counts backend compiles
 from bench.results_io import save_result
@@ -225,8 +226,9 @@ def case_row(mode: str, case: str, idx: list[int], solos: list[dict], got: list[
 # ------------------------------------------------------------------------------------------------ the timing
 
 
-def decode_ms(lm: LLM, prompts: list, warm: int, steps: int) -> list[float]:
-    """ms of each of `steps` engine steps in steady decode of len(prompts) rows (greedy, no logprobs)."""
+def decode_ms(lm: LLM, prompts: list, warm: int, steps: int, around=contextlib.nullcontext) -> list[float]:
+    """ms of each of `steps` engine steps in steady decode of len(prompts) rows (greedy, no logprobs); the timed
+    steps run inside `around()` (the profiler's capture)."""
     eng = lm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=warm + steps + 4, ignore_eos=True)
     reqs = [lm._add(p, sp) for p in prompts]
@@ -236,10 +238,11 @@ def decode_ms(lm: LLM, prompts: list, warm: int, steps: int) -> list[float]:
         for _ in range(warm):
             eng.step()
         times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        with around():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                times.append((time.perf_counter() - t0) * 1e3)
         if any(r.finished for r in reqs):
             raise RuntimeError("a request finished during the timed steps")
     finally:
@@ -319,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warm", type=int, default=3, help="untimed decode steps before the timed ones")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per mode, B and round")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, the modes alternating")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="per mode, that many B = 1 decode steps under the profiler: device time by kernel")
     ap.add_argument("--compile-threads", type=int, default=4, help="model steps compiled at once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=480,
@@ -366,6 +371,7 @@ def main(argv=None) -> dict:
     rows: list[dict] = []
     timing: dict = {m: {b: [] for b in BATCHES} for m in modes}
     timing_rounds: list[dict] = []
+    profiles: dict = {}  # mode -> device time of B = 1 decode steps by kernel (--profile-steps)
 
     def save():
         summary = summarize(rows, timing, modes)
@@ -379,6 +385,7 @@ def main(argv=None) -> dict:
                                        logprobs=5, seed=args.seed, **plan),
                            engines=engines, compile=compile_info, build_s=build_s, timing_rounds=timing_rounds,
                            timing_ms={m: {f"B={b}": v for b, v in t.items()} for m, t in timing.items()},
+                           decode_profile_b1=profiles,
                            total_s=time.perf_counter() - t_start)
         return path, summary
 
@@ -402,6 +409,24 @@ def main(argv=None) -> dict:
                 except Exception as e:  # noqa: BLE001 - the comparisons still run
                     timing_rounds.append(dict(round=rnd, mode=m, batch=b, error=repr(e)[:400]))
                     print(f"{m} B={b} timing failed: {e!r}", flush=True)
+    save()
+
+    for m in modes if args.profile_steps > 0 else ():  # where the modes' B = 1 decode steps spend device time
+        if expired():
+            break
+        traced: list = []
+
+        @contextlib.contextmanager
+        def around():
+            with device_profile.capture() as trace:
+                yield
+            traced.append(trace.xspace)
+
+        decode_ms(lms[m], timing_prompts[:1], plan["warm"], args.profile_steps, around)
+        prof = device_profile.summarize(traced[0], None, top=20)
+        profiles[m] = dict(steps=args.profile_steps, timeline=device_profile.timeline(traced[0]),
+                           top_kernels=prof["top_kernels"])
+        device_profile.print_summary(prof, f"{m} B=1 x {args.profile_steps} steps")
     save()
 
     for m, lm in lms.items():
