@@ -58,10 +58,17 @@ def batch_invariant(on: bool):
 
 
 def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over `axis` as a pairwise tree in index order: ((x0 + x1) + (x2 + x3)) + ... (XLA's reduce when off).
-    Low-precision inputs are summed in float32 and the sum rounded once, as XLA's and torch's reductions do."""
+    """Sum over `axis` as a pairwise tree (`pairwise_sum`) in invariant traces, XLA's reduce when off."""
     if not enabled():
         return jnp.sum(x, axis=axis, keepdims=keepdims)
+    return pairwise_sum(x, axis, keepdims)
+
+
+def pairwise_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a pairwise tree of elementwise adds, whatever the mode: the axis zero-padded to a power of
+    two and halved each level (element i added to element i + half), so every element of the result is the same
+    expression of its own inputs whatever the other axes hold. Low-precision inputs are summed in float32 and the
+    sum rounded once, as XLA's and torch's reductions do."""
     dtype = x.dtype
     x = jnp.moveaxis(x, axis, -1).astype(jnp.promote_types(dtype, jnp.float32))
     n = x.shape[-1]

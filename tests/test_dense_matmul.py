@@ -50,11 +50,11 @@ def test_float16():
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_rows_are_bitwise_the_same_for_every_row_count(out_dtype):
     """Row i of an M = 40 call (BM 64) equals row i of the M = 1, 2, 3 (BM 16) and M = 17 (BM 64, other padding)
-    calls bit for bit; K = 512 runs 8 blocks of the K loop, N = 48 runs BN 16. The float32 result is the accumulator
+    calls bit for bit; N = 48 runs BN 16, K = 512 two K splits of 4 blocks, K = 2048 eight. The float32 result is the accumulator
     itself: a bf16 result would hide all but ~1 in 5000 changes of the addition order."""
     rng, seed = fresh_rng()
-    for n in (48, 128):
-        x, w = random_operands(rng, 40, n, 512)
+    for n, k in ((48, 512), (128, 512), (48, 2048)):  # 2, 2 and 8 K splits, their partials summed in a fixed tree
+        x, w = random_operands(rng, 40, n, k)
         full = np.asarray(dense_matmul(x, w, interpret=True, out_dtype=out_dtype))
         assert full.dtype == (out_dtype or x.dtype), seed
         assert_close(jnp.asarray(full).astype(x.dtype), x, w, seed)
@@ -71,6 +71,9 @@ def test_fixed_configuration():
     assert [dm.block_k(k) for k in (16, 48, 96, 512, 2560, 2576)] == [16, 16, 32, 64, 64, 16]
     assert [dm.block_m(m) for m in (1, 16, 17, 40, 8192)] == [16, 16, 64, 64, 64]
     assert [dm.block_n(n) for n in (16, 32, 48, 64, 512, 4096)] == [16, 32, 16, 64, 64, 64]
+    # K splits: more for fewer column tiles, at least 4 blocks of 64 each, never a function of M
+    assert [dm.k_splits(2560, n) for n in (48, 512, 4096, 248320)] == [8, 8, 2, 1]
+    assert [dm.k_splits(k, 48) for k in (96, 512, 1024)] == [1, 2, 4]
 
 
 def test_rejects_bad_shapes():
