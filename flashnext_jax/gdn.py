@@ -248,7 +248,12 @@ def uses_kernels(dtype) -> bool:
     return not (mode == "reference" or (mode == "pallas" and jnp.dtype(dtype) == jnp.float32))
 
 
-def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str):
+# the decode kernel's layout in batch-invariant traces: its default follows B (gdn_decode), and how a program lays
+# out its reductions sets a row's rounding (the H100 probe saw rows change at 32 rows: BV 16 below 16 rows, else 64)
+INVARIANT_DECODE_LAYOUT = dict(block_v=16, num_warps=2)
+
+
+def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str, start=None, n_valid=None):
     """The delta rule with checkpoint columns, reading and writing a store leaf in place (the engine's store, or
     the fresh one-layer leaf of `delta_rule_kernels`).
 
@@ -256,7 +261,12 @@ def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str
     - 1) go through the varlen chunked kernel (rows packed back to back, initial state from (slot, read_col),
     final state to column 0), then the K1 tail tokens through the slot decode kernel reading column 0 (or
     read_col when there is no head) and writing the state after tail token c to column c. Returns (out, rec with
-    the updated leaf)."""
+    the updated leaf).
+
+    In a batch-invariant trace (fixed_order.enabled(), with `start` and `n_valid`) the tokens are split by the
+    absolute rule of `delta_rule_absolute` instead (`_in_store_absolute`)."""
+    if fixed_order.enabled() and start is not None and n_valid is not None:
+        return _in_store_absolute(q, k, v, g, beta, rec, ends, start, n_valid, impl=impl)
     b, t = g.shape[:2]
     k1 = ends.shape[1]
     kw = dict(scale=k.shape[-1] ** -0.5, use_qk_l2norm=True, impl=impl, layer=rec.layer)
@@ -277,6 +287,68 @@ def delta_rule_in_store(q, k, v, g, beta, rec: StoreRecState, ends, *, impl: str
     out_t, leaf = gdn_kernels.recurrent_gated_delta_rule_slots(take(q), take(k), take(v), take(g), take(beta),
                                                                state=leaf, slots=rec.slots, read_col=read_col, **kw)
     out = out_t if out is None else out.at[jnp.arange(b)[:, None], idx].set(out_t)
+    return out, rec._replace(leaf=leaf)
+
+
+def _in_store_absolute(q, k, v, g, beta, rec: StoreRecState, ends, start, n_valid, *, impl: str,
+                       chunk: int = CHUNK):
+    """delta_rule_in_store with `delta_rule_absolute`'s rule, so a token's result does not depend on how its prompt
+    was cut into steps or on what else the step holds: the chunked kernel runs exactly the whole absolute chunks
+    [c*chunk, (c+1)*chunk) inside each row's tokens; every other token (a ragged head before them, the tail after
+    them, a decode or verify step's tokens) goes through the recurrent kernel, in one fixed layout for every B.
+
+    Up to three kernel calls, each reading the state the previous one left in column 0 (identity tokens, g = beta
+    = 0, leave a state bit for bit unchanged, so a row with nothing in a phase passes its state through):
+      A. the ragged head (recurrent, a window of chunk - 1 tokens; only steps of at least one chunk);
+      B. the whole chunks (the varlen chunked kernel, each row shifted so that they start at its offset 0);
+      C. the rest (recurrent, a window of up to 2 * chunk - 1 tokens), writing the state after the token each
+         checkpoint column ends at (ends[:, c]) to column c. A column that ends inside the whole chunks is not
+         written (K1 > 1 only: a prefill step ending on the grid, whose earlier columns the engine never reads);
+         one at their end already holds its state in column 0."""
+    b, t = g.shape[:2]
+    k1 = ends.shape[1]
+    kw = dict(scale=k.shape[-1] ** -0.5, use_qk_l2norm=True, impl=impl, layer=rec.layer)
+    recurrent = lambda *a, **x: gdn_kernels.recurrent_gated_delta_rule_slots(  # noqa: E731
+        *a, slots=rec.slots, **kw, **INVARIANT_DECODE_LAYOUT, **x)
+    leaf, read_col = rec.leaf, rec.read_col
+    pos = jnp.arange(t)[None, :]
+    identity_outside = lambda a, m: jnp.where(m[..., None], a, 0.0)  # noqa: E731  g, beta [B, T, H]
+    end = start + n_valid
+    up = -(-start // chunk) * chunk  # the first chunk boundary at or after start
+    body = jnp.maximum(end // chunk * chunk - up, 0) if t >= chunk else jnp.zeros_like(start)  # whole-chunk tokens
+    head = jnp.where(body > 0, up - start, 0)
+    rest = head + body  # where the recurrent rest starts
+    out = jnp.zeros(v.shape, v.dtype)
+    if t >= chunk:
+        w = chunk - 1  # A: the ragged head, its state to column 0
+        on = pos[:, :w] < head[:, None]
+        last_only = jnp.broadcast_to(jnp.where(jnp.arange(w) == w - 1, 0, -1).astype(jnp.int32), (b, w))
+        out_head, leaf = recurrent(q[:, :w], k[:, :w], v[:, :w], identity_outside(g[:, :w], on),
+                                   identity_outside(beta[:, :w], on), state=leaf, read_col=read_col,
+                                   write_cols=last_only)
+        out = out.at[:, :w].set(out_head)
+        # B: the whole chunks, each row shifted left by its head, its final state to column 0
+        sq, sk, sv, sg, sb = (_shift_rows(a, head) for a in (q, k, v, g, beta))
+        on = pos < body[:, None]
+        pack = lambda a: a.reshape((1, b * t) + a.shape[2:])  # noqa: E731
+        out_body, leaf = gdn_kernels.chunk_gated_delta_rule_varlen(
+            pack(sq), pack(sk), pack(sv), pack(identity_outside(sg, on)), pack(identity_outside(sb, on)),
+            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t, state=leaf, slots=rec.slots,
+            read_col=jnp.zeros_like(read_col), **kw)
+        from_body = _gather_tokens(out_body.reshape(b, t, *out_body.shape[2:]), pos - head[:, None])
+        out = jnp.where(((pos >= head[:, None]) & (pos < rest[:, None]))[..., None, None], from_body, out)
+        read_col = jnp.zeros_like(read_col)
+    # C: the rest, recurrent; the state after the token each checkpoint column ends at goes to that column
+    w = min(t, 2 * chunk - 1)
+    sq, sk, sv, sg, sb = ((_shift_rows(a, rest) if t >= chunk else a)[:, :w] for a in (q, k, v, g, beta))
+    on = pos[:, :w] < (n_valid - rest)[:, None]
+    col = ends - 1 - rest[:, None]  # [B, K1]: the window offset of the token column c ends after
+    write = jnp.full((b, w), -1, jnp.int32).at[jnp.arange(b)[:, None], jnp.where(col >= 0, col, w)].set(
+        jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), (b, k1)), mode="drop")
+    out_rest, leaf = recurrent(sq, sk, sv, identity_outside(sg, on), identity_outside(sb, on), state=leaf,
+                               read_col=read_col, write_cols=write)
+    from_rest = _gather_tokens(out_rest, pos - rest[:, None])
+    out = jnp.where((pos >= rest[:, None])[..., None, None], from_rest, out)
     return out, rec._replace(leaf=leaf)
 
 
@@ -334,7 +406,9 @@ def gdn_forward(p: dict, cfg: ModelConfig, u, conv_state, rec_state, valid, n_va
     if isinstance(rec_state, StoreRecState):
         if ends is None or not uses_kernels(u.dtype):
             raise ValueError("a StoreRecState needs the kernel path and checkpoint ends (see RealRunner.step)")
-        core, new_rec = delta_rule_in_store(q, k, v, g, beta, rec_state, ends, impl=mode)
+        core, new_rec = delta_rule_in_store(q, k, v, g, beta, rec_state, ends, impl=mode,
+                                            start=jnp.zeros_like(n_valid) if start is None else start,
+                                            n_valid=n_valid)
     elif not uses_kernels(u.dtype):
         rep = hv // hk  # key head i serves value heads i*rep .. i*rep+rep-1
         q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), rep, axis=2) * (dk**-0.5)

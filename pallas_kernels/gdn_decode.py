@@ -2,8 +2,8 @@
 
 State layout (see gdn_reference and docs/kernels-gdn.md): state [num_slots, K1, Hv, Dk, Dv] fp32 viewed flat as
 [num_slots*K1, Hv, Dk, Dv]; a row reads column read_col[b] of slot slots[b] and writes the state after its
-token t to column t of the same slot, in place (input_output_aliases). Rows with slot < 0 are padding: their
-state blocks are never stored (o = 0).
+token t to column t of the same slot (or to column write_cols[b, t], none where it is < 0), in place
+(input_output_aliases). Rows with slot < 0 are padding: their state blocks are never stored (o = 0).
 
 Grid (B, Hv, Dv / BV): each program keeps one [Dk, BV] fp32 state block in registers for all T tokens.
 """
@@ -24,8 +24,8 @@ except Exception:  # pragma: no cover
     pltriton = None
 
 
-def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref, s_out_ref, *, T, ratio, BV,
-                   scale, l2, col_stride):
+def _decode_kernel(meta_ref, wcol_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref, s_out_ref, *, T, ratio,
+                   BV, scale, l2, col_stride):
     del s_in_ref  # aliased with s_out_ref
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -58,9 +58,11 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref,
         o = sq + u * kq
         o_ref[b, t, h, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
 
-        @pl.when(valid)
-        def _store(S=S, t=t):
-            s_out_ref[wrow + t * col_stride, h, :, cols] = S
+        col = wcol_ref[b, t]
+
+        @pl.when(valid & (col >= 0))
+        def _store(S=S, col=col):
+            s_out_ref[wrow + col * col_stride, h, :, cols] = S
 
     return None
 
@@ -70,12 +72,16 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref,
                    donate_argnames=("state",))
 def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, scale, read_col=None,
                                             use_qk_l2norm=False, interpret=False, block_v=None, num_warps=None,
-                                            layer=None):
-    """Same contract as gdn_reference.recurrent_gated_delta_rule_slots; state is donated and updated in place."""
+                                            layer=None, write_cols=None):
+    """Same contract as gdn_reference.recurrent_gated_delta_rule_slots; state is donated and updated in place.
+    block_v / num_warps (default: by B, tuned for speed) set how a program's reductions are laid out, so a
+    batch-invariant caller fixes them (a row's bits then do not depend on B)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     flat, k1, stride, offset, unflat = flat_state(state, layer)
-    assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
+    if write_cols is None:
+        assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
+        write_cols = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     assert flat.dtype == jnp.float32
     slots, rrow, wrow = slot_rows(slots, read_col, B, k1, stride, offset)
     meta = jnp.stack([slots, rrow, wrow, jnp.zeros_like(slots)], axis=1)  # [B, 4]
@@ -92,8 +98,8 @@ def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, s
         grid=(B, Hv, Dv // BV),
         out_shape=(jax.ShapeDtypeStruct((B, T, Hv, Dv), v.dtype),
                    jax.ShapeDtypeStruct(flat.shape, flat.dtype)),
-        input_output_aliases={6: 1},
+        input_output_aliases={7: 1},
         interpret=interpret,
         **kw,
-    )(meta, q, k, v, g, beta, flat)
+    )(meta, write_cols.astype(jnp.int32), q, k, v, g, beta, flat)
     return o, unflat(new_flat)

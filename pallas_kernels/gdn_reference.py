@@ -311,31 +311,38 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
 
 
 def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, read_col=None,
-                                     use_qk_l2norm=False, impl=None, layer=None):
+                                     use_qk_l2norm=False, impl=None, layer=None, write_cols=None, block_v=None,
+                                     num_warps=None):
     """Decode / MTP verify of T tokens per row (T static, 1 <= T <= K1) with checkpointed slot states.
 
     q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; g, beta [B,T,Hv]; state [num_slots, K1, Hv, Dk, Dv] fp32 (4-D = K1 1,
     then T must be 1); slots [B] int32 (< 0: padding row: not read, not written, o = 0); read_col [B]
     (default 0): checkpoint column holding the row's current state (after MTP: accepted - 1).
-    Writes the state after token t to column t of the row's slot. layer: as in chunk_gated_delta_rule_varlen
-    (the store's all-layer leaf, addressed in place). Returns (o [B,T,Hv,Dv], new state)."""
+    Writes the state after token t to column t of the row's slot, or with write_cols [B, T] int32 to column
+    write_cols[b, t] (not at all where < 0; then T may exceed K1: a window of tokens of which only some end at a
+    checkpoint). layer: as in chunk_gated_delta_rule_varlen (the store's all-layer leaf, addressed in place).
+    block_v / num_warps: the kernel's layout (recurrent_gated_delta_rule_slots_pallas). Returns (o [B,T,Hv,Dv],
+    new state)."""
     from pallas_kernels.kernel_switch import resolve_impl
     mode = resolve_impl(impl)
     if mode != "reference":
         from pallas_kernels.gdn_decode import recurrent_gated_delta_rule_slots_pallas
         return recurrent_gated_delta_rule_slots_pallas(
             q, k, v, g, beta, state=state, slots=slots, scale=scale, read_col=read_col,
-            use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"), layer=layer)
+            use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"), layer=layer, write_cols=write_cols,
+            block_v=block_v, num_warps=num_warps)
     B, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     flat, k1, stride, offset, unflat = flat_state(state, layer)
-    assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
+    if write_cols is None:
+        assert T <= k1, f"{T} tokens need {T} checkpoint columns, state has {k1}"
+        write_cols = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     slots, rrow, wrow = slot_rows(slots, read_col, B, k1, stride, offset)
     valid = slots >= 0
     S0 = jnp.where(valid[:, None, None, None], flat[jnp.where(valid, rrow, 0)], 0.0)
     o, states = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=S0,
                                            use_qk_l2norm=use_qk_l2norm, output_all_states=True)
     o = jnp.where(valid[:, None, None, None], o, 0).astype(v.dtype)
-    rows = wrow[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :] * stride  # [B, T]
-    rows = jnp.where(valid[:, None], rows, flat.shape[0])  # out of range -> dropped
+    rows = wrow[:, None] + write_cols * stride  # [B, T]
+    rows = jnp.where(valid[:, None] & (write_cols >= 0), rows, flat.shape[0])  # out of range -> dropped
     flat = flat.at[rows.reshape(-1)].set(states.reshape((B * T,) + states.shape[2:]), mode="drop")
     return o, unflat(flat)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import fixed_order
 from pallas_kernels import qsa_sparse_reference as ref
 from pallas_kernels.quant_layout import resolve_impl
 
@@ -168,9 +169,13 @@ def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, 
     runs the kernel for a step of at least KERNEL_MIN_QUERIES queries in a 16-bit dtype (prefill chunks: no
     [tile, keys] gather is materialised) and the reference for decode-sized steps (a handful of programs walking
     2,052 keys each is latency bound, where the reference's one gather spreads over the whole GPU) and for float32
-    (the kernel's dots would round through TF32)."""
+    (the kernel's dots would round through TF32); batch-invariant traces (fixed_order.enabled()) run the kernel
+    for every 16-bit step."""
     b, t = q.shape[:2]
-    kernel_fits = b * t >= KERNEL_MIN_QUERIES and jnp.dtype(q.dtype).itemsize == 2
+    # batch-invariant traces: the kernel for every step shape, a decode step's queries too (its online softmax and
+    # the reference's XLA softmax and dots round differently, and which one ran followed the step's query count)
+    many = b * t >= KERNEL_MIN_QUERIES or fixed_order.enabled()
+    kernel_fits = many and jnp.dtype(q.dtype).itemsize == 2
     mode = resolve_impl(impl, gpu_auto="pallas" if kernel_fits else "reference")
     if mode == "reference":
         return ref.sparse_attention(q, k_pool, v_pool, layer, blk_page, blk_off, blk_len, ratio=ratio,
