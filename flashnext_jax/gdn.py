@@ -299,12 +299,16 @@ def _in_store_absolute(q, k, v, g, beta, rec: StoreRecState, ends, start, n_vali
 
     Up to three kernel calls, each reading the state the previous one left in column 0 (identity tokens, g = beta
     = 0, leave a state bit for bit unchanged, so a row with nothing in a phase passes its state through):
-      A. the ragged head (recurrent, a window of chunk - 1 tokens; only steps of at least one chunk);
-      B. the whole chunks (the varlen chunked kernel, each row shifted so that they start at its offset 0);
-      C. the rest (recurrent, a window of up to 2 * chunk - 1 tokens), writing the state after the token each
-         checkpoint column ends at (ends[:, c]) to column c. A column that ends inside the whole chunks is not
-         written (K1 > 1 only: a prefill step ending on the grid, whose earlier columns the engine never reads);
-         one at their end already holds its state in column 0."""
+      A. the ragged head (recurrent, a window of chunk - 1 tokens, each row running its own head's length, the
+         state after it to column 0; only steps of at least one chunk);
+      B. the whole chunks (the varlen chunked kernel, each row shifted so that they start at its offset 0; it
+         writes every row's final state to column 0);
+      C. the rest (recurrent, a window of up to 2 * chunk - 1 tokens, each row running up to its last checkpoint
+         token), writing the state after the token each checkpoint column ends at (ends[:, c]) to column c. A
+         column that ends inside the whole chunks is not written (K1 > 1 only: a prefill step ending on the grid,
+         whose earlier columns the engine never reads); one at their end already holds its state in column 0.
+    The recurrent calls run their tokens in a loop of a per-row length (`lengths`): the same loop body for a
+    decode token as for a window's, and no unrolled 127-token kernel (minutes of Triton compile per layer)."""
     b, t = g.shape[:2]
     k1 = ends.shape[1]
     kw = dict(scale=k.shape[-1] ** -0.5, use_qk_l2norm=True, impl=impl, layer=rec.layer)
@@ -320,21 +324,22 @@ def _in_store_absolute(q, k, v, g, beta, rec: StoreRecState, ends, start, n_vali
     rest = head + body  # where the recurrent rest starts
     out = jnp.zeros(v.shape, v.dtype)
     if t >= chunk:
-        w = chunk - 1  # A: the ragged head, its state to column 0
+        w = chunk - 1  # A: the ragged head, the state after its last token to column 0
         on = pos[:, :w] < head[:, None]
-        last_only = jnp.broadcast_to(jnp.where(jnp.arange(w) == w - 1, 0, -1).astype(jnp.int32), (b, w))
+        last_only = jnp.where(pos[:, :w] == head[:, None] - 1, 0, -1).astype(jnp.int32)
         out_head, leaf = recurrent(q[:, :w], k[:, :w], v[:, :w], identity_outside(g[:, :w], on),
                                    identity_outside(beta[:, :w], on), state=leaf, read_col=read_col,
-                                   write_cols=last_only)
+                                   write_cols=last_only, lengths=head)
         out = out.at[:, :w].set(out_head)
+        read_col = jnp.where(head > 0, 0, read_col)
         # B: the whole chunks, each row shifted left by its head, its final state to column 0
         sq, sk, sv, sg, sb = (_shift_rows(a, head) for a in (q, k, v, g, beta))
         on = pos < body[:, None]
         pack = lambda a: a.reshape((1, b * t) + a.shape[2:])  # noqa: E731
         out_body, leaf = gdn_kernels.chunk_gated_delta_rule_varlen(
             pack(sq), pack(sk), pack(sv), pack(identity_outside(sg, on)), pack(identity_outside(sb, on)),
-            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t, state=leaf, slots=rec.slots,
-            read_col=jnp.zeros_like(read_col), **kw)
+            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t, state=leaf, slots=rec.slots, read_col=read_col,
+            **kw)
         from_body = _gather_tokens(out_body.reshape(b, t, *out_body.shape[2:]), pos - head[:, None])
         out = jnp.where(((pos >= head[:, None]) & (pos < rest[:, None]))[..., None, None], from_body, out)
         read_col = jnp.zeros_like(read_col)
@@ -346,10 +351,10 @@ def _in_store_absolute(q, k, v, g, beta, rec: StoreRecState, ends, start, n_vali
     write = jnp.full((b, w), -1, jnp.int32).at[jnp.arange(b)[:, None], jnp.where(col >= 0, col, w)].set(
         jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), (b, k1)), mode="drop")
     out_rest, leaf = recurrent(sq, sk, sv, identity_outside(sg, on), identity_outside(sb, on), state=leaf,
-                               read_col=read_col, write_cols=write)
+                               read_col=read_col, write_cols=write, lengths=jnp.clip(col[:, -1] + 1, 0, w))
     from_rest = _gather_tokens(out_rest, pos - rest[:, None])
     out = jnp.where((pos >= rest[:, None])[..., None, None], from_rest, out)
-    return out, rec._replace(leaf=leaf)
+    return jnp.where((pos < n_valid[:, None])[..., None, None], out, 0).astype(out.dtype), rec._replace(leaf=leaf)
 
 
 def causal_conv(x_full: jax.Array, weight: jax.Array, t: int, dilation: int = 1) -> jax.Array:

@@ -25,7 +25,9 @@ except Exception:  # pragma: no cover
 
 
 def _decode_kernel(meta_ref, wcol_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref, o_ref, s_out_ref, *, T, ratio,
-                   BV, scale, l2, col_stride):
+                   BV, scale, l2, col_stride, looped):
+    """looped: the tokens in a loop of meta[b, 3] iterations (per row, read at run time) instead of unrolled, so
+    the code of a token is one loop body whatever T is (batch-invariant callers; see the wrapper)."""
     del s_in_ref  # aliased with s_out_ref
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -36,8 +38,8 @@ def _decode_kernel(meta_ref, wcol_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_r
     wrow = meta_ref[b, 2]
     valid = slot >= 0
     cols = pl.ds(j * BV, BV)
-    S = s_out_ref[jnp.maximum(rrow, 0), h, :, cols].astype(jnp.float32)  # [Dk, BV]
-    for t in range(T):
+
+    def token(t, S):
         q = q_ref[b, t, hk, :].astype(jnp.float32)
         k = k_ref[b, t, hk, :].astype(jnp.float32)
         v = v_ref[b, t, h, cols].astype(jnp.float32)
@@ -57,13 +59,20 @@ def _decode_kernel(meta_ref, wcol_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_r
         S = S * decay + (k * rk)[:, None] * u[None, :]
         o = sq + u * kq
         o_ref[b, t, h, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-
         col = wcol_ref[b, t]
 
         @pl.when(valid & (col >= 0))
-        def _store(S=S, col=col):
+        def _store():
             s_out_ref[wrow + col * col_stride, h, :, cols] = S
 
+        return S
+
+    S = s_out_ref[jnp.maximum(rrow, 0), h, :, cols].astype(jnp.float32)  # [Dk, BV]
+    if looped:
+        jax.lax.fori_loop(0, jnp.minimum(meta_ref[b, 3], T), token, S)
+    else:
+        for t in range(T):
+            S = token(t, S)
     return None
 
 
@@ -72,10 +81,13 @@ def _decode_kernel(meta_ref, wcol_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_r
                    donate_argnames=("state",))
 def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, scale, read_col=None,
                                             use_qk_l2norm=False, interpret=False, block_v=None, num_warps=None,
-                                            layer=None, write_cols=None):
+                                            layer=None, write_cols=None, lengths=None):
     """Same contract as gdn_reference.recurrent_gated_delta_rule_slots; state is donated and updated in place.
     block_v / num_warps (default: by B, tuned for speed) set how a program's reductions are laid out, so a
-    batch-invariant caller fixes them (a row's bits then do not depend on B)."""
+    batch-invariant caller fixes them (a row's bits then do not depend on B). lengths [B] (optional): row b runs
+    only its first lengths[b] tokens, in a loop (outputs past them unspecified): a long window of mostly identity
+    tokens (gdn._in_store_absolute, up to 127) then costs neither the unrolled kernel's compile time (minutes per
+    layer) nor its run time, and a decode token runs the same loop body as a window's tokens."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     flat, k1, stride, offset, unflat = flat_state(state, layer)
@@ -84,12 +96,14 @@ def recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, *, state, slots, s
         write_cols = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     assert flat.dtype == jnp.float32
     slots, rrow, wrow = slot_rows(slots, read_col, B, k1, stride, offset)
-    meta = jnp.stack([slots, rrow, wrow, jnp.zeros_like(slots)], axis=1)  # [B, 4]
+    looped = lengths is not None
+    n_run = lengths.astype(jnp.int32) if looped else jnp.zeros_like(slots)
+    meta = jnp.stack([slots, rrow, wrow, n_run], axis=1)  # [B, 4]
     # tuned on the H200 (bench/results/gdn.json): small batches want many small programs
     BV = min(Dv, block_v or (16 if B * Hv < 16 * 48 else 64))
     nw = num_warps or (2 if BV <= 16 else 4)
     kernel = functools.partial(_decode_kernel, T=T, ratio=Hv // Hk, BV=BV, scale=float(scale),
-                               l2=bool(use_qk_l2norm), col_stride=stride)
+                               l2=bool(use_qk_l2norm), col_stride=stride, looped=looped)
     kw = {}
     if not interpret and pltriton is not None:
         kw["compiler_params"] = pltriton.CompilerParams(num_warps=nw, num_stages=1)

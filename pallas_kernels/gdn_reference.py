@@ -312,7 +312,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
 
 def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, read_col=None,
                                      use_qk_l2norm=False, impl=None, layer=None, write_cols=None, block_v=None,
-                                     num_warps=None):
+                                     num_warps=None, lengths=None):
     """Decode / MTP verify of T tokens per row (T static, 1 <= T <= K1) with checkpointed slot states.
 
     q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; g, beta [B,T,Hv]; state [num_slots, K1, Hv, Dk, Dv] fp32 (4-D = K1 1,
@@ -321,8 +321,9 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, r
     Writes the state after token t to column t of the row's slot, or with write_cols [B, T] int32 to column
     write_cols[b, t] (not at all where < 0; then T may exceed K1: a window of tokens of which only some end at a
     checkpoint). layer: as in chunk_gated_delta_rule_varlen (the store's all-layer leaf, addressed in place).
-    block_v / num_warps: the kernel's layout (recurrent_gated_delta_rule_slots_pallas). Returns (o [B,T,Hv,Dv],
-    new state)."""
+    block_v / num_warps / lengths: the kernel's layout and per-row token counts (recurrent_gated_delta_rule_slots_
+    pallas; tokens past lengths[b] must then be identities, g = beta = 0, and their outputs are unspecified).
+    Returns (o [B,T,Hv,Dv], new state)."""
     from pallas_kernels.kernel_switch import resolve_impl
     mode = resolve_impl(impl)
     if mode != "reference":
@@ -330,7 +331,7 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, r
         return recurrent_gated_delta_rule_slots_pallas(
             q, k, v, g, beta, state=state, slots=slots, scale=scale, read_col=read_col,
             use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"), layer=layer, write_cols=write_cols,
-            block_v=block_v, num_warps=num_warps)
+            block_v=block_v, num_warps=num_warps, lengths=lengths)
     B, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     flat, k1, stride, offset, unflat = flat_state(state, layer)
     if write_cols is None:
