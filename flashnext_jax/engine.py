@@ -531,8 +531,7 @@ class Engine:
         from tqdm import tqdm
 
         keys = [StepKey(*s) for s in (self.startup_shapes() if shapes is None else shapes)]
-        # a pipeline compiles nothing ahead (PipelineSteps): nor its samplers, which take the model steps' outputs
-        samplers = [] if hasattr(self.runner, "pipeline_step") else self.startup_samplers(sampling_params)
+        samplers = self.startup_samplers(sampling_params)
         for cache, n, what in ((self._steps, len(keys), "model steps"), (self._samplers, len(samplers), "samplers")):
             if n > cache.limit:
                 log.warning("precompiling %d %s, more than the %d kept: keeping all of them", n, what, cache.limit)

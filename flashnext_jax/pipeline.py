@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from pallas_kernels import fixed_order
 
+from .compile_ahead import abstract
 from .engine import PackedBatch, model_step
 from .stages import StagePlan
+
+log = logging.getLogger(__name__)
 
 
 class PipelineRunner:
@@ -68,17 +72,45 @@ class PipelineRunner:
             self._steps = PipelineSteps(self)
         return self._steps
 
-    def pipeline_step(self, params, stores, batch, prompt_targets=None):
+    def pipeline_step(self, params, stores, batch, prompt_targets=None, programs: "StagePrograms | None" = None):
         """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs:
-        engine.model_step's)."""
+        engine.model_step's). programs: the stages' compiled executables for these argument types
+        (`compile_programs`); without them each stage's jit compiles a new shape on its first call."""
         with fixed_order.batch_invariant(self.batch_invariant):  # a stage traced here keeps this mode
-            return self._launch(params, stores, batch, prompt_targets)
+            return self._launch(params, stores, batch, prompt_targets, programs)
 
-    def _launch(self, params, stores, batch, prompt_targets):
+    def compile_programs(self, args: tuple) -> "StagePrograms":
+        """Compile every stage's program for the engine's step arguments `args` = (params, stores, batch,
+        prompt_targets), arrays or their types (compile_ahead.abstract), without running anything: stage s's
+        hidden-state input is stage s-1's compiled output type placed on stage s's devices, as `_launch` passes it."""
+        params, stores, batch, targets = args
+        x, programs, store_types, last = None, [], [], self.plan.size - 1
+        with fixed_order.batch_invariant(self.batch_invariant):
+            for st, p, store, jitted in zip(self.plan.stages, params, stores, self._jits, strict=True):
+                b = _placed(self._stage_batch(batch, st), st.sharding)
+                if st.index == last:
+                    pt = None if targets is None else _placed(targets, st.sharding)
+                    lowered = jitted.lower(p, store, b, pt, x)
+                else:
+                    lowered = jitted.lower(p, store, b, x)
+                compiled = lowered.compile(fixed_order.compiler_options(self.batch_invariant))
+                programs.append(compiled)
+                store_type, out = compiled.out_info
+                store_types.append(store_type)
+                if st.index != last:
+                    x = _placed(out, self.shardings[st.index + 1])
+        return StagePrograms(tuple(programs), (tuple(store_types), out))
+
+    def _stage_batch(self, batch, st):
+        """The batch a stage takes: the host-gathered inputs it reads (PLE rows only where layer 1 is)."""
+        names = self.base.stage_host_inputs(st.layers)
+        return dataclasses.replace(batch, host={n: batch.host[n] for n in names})
+
+    def _launch(self, params, stores, batch, prompt_targets, programs):
         x, new, last = None, [], self.plan.size - 1
-        for st, p, store, fn in zip(self.plan.stages, params, stores, self._jits, strict=True):
-            names = self.base.stage_host_inputs(st.layers)
-            b = jax.device_put(dataclasses.replace(batch, host={n: batch.host[n] for n in names}), st.sharding)
+        fns = self._jits if programs is None else programs.stages
+        for st, p, store, fn in zip(self.plan.stages, params, stores, fns, strict=True):
+            b = jax.device_put(self._stage_batch(batch, st), st.sharding)
             if st.index == last:
                 pt = None if prompt_targets is None else jax.device_put(prompt_targets, st.sharding)
                 store, out = fn(p, store, b, pt, x)
@@ -113,39 +145,83 @@ class _StageFn:
         return hash((id(self.runner), self.layers))
 
 
+class StagePrograms(NamedTuple):
+    """One step shape's compiled executables, one per stage, and the types of what the step returns: out_info =
+    (the stages' stores, the last stage's outputs), as a compiled single program's `out_info` (the engine compiles
+    its samplers for those logits)."""
+
+    stages: tuple
+    out_info: tuple
+
+
+def _placed(tree, sharding):
+    """Array types of `tree` (compile_ahead.abstract's) placed on `sharding`: what device_put(tree, sharding) gives."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding, weak_type=getattr(a, "weak_type", False)),
+        abstract(tree))
+
+
 class PipelineSteps:
-    """The engine's StepCache interface (step_cache.py) for its model steps over a PipelineRunner (its samplers are
-    the engine's own StepCache, on the last stage's devices). Each stage's own `jax.jit` compiles a shape on its
-    first call and keeps its executables, so `compile` (startup precompile, compile ahead) does nothing yet and the
-    LRU bound does not apply to pipelines (docs/pipeline.md, "Not yet")."""
+    """The engine's StepCache interface (step_cache.py) for its model steps over a PipelineRunner: per step key the
+    stages' compiled executables (`PipelineRunner.compile_programs`), least recently used dropped past `limit`, so
+    startup precompile, compile ahead and the LRU bound work as for one program. (The engine's samplers are its
+    own StepCache, on the last stage's devices.)"""
 
     def __init__(self, runner: "PipelineRunner"):
-        self.runner, self.limit = runner, 0
+        self.runner, self.limit = runner, 32
         self.counters: collections.Counter = collections.Counter()
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()  # compile ahead compiles from its own thread
 
     def __contains__(self, key) -> bool:
-        return key in self.runner.shapes_seen
+        with self._lock:
+            return key in self._lru
 
     def __len__(self) -> int:
-        return len(self.runner.shapes_seen)
+        with self._lock:
+            return len(self._lru)
 
     def keys(self) -> list:
-        return list(self.runner.shapes_seen)
+        with self._lock:
+            return list(self._lru)
 
     def set_limit(self, limit: int):
-        self.limit = limit
+        with self._lock:
+            self.limit = limit
+            self._evict()
 
-    def compile(self, key, args):
-        return None
-
-    def get(self, key):
-        return None
-
-    def call(self, key, args):
-        if key not in self.runner.shapes_seen:
+    def compile(self, key, args) -> StagePrograms:
+        """Compile every stage's program for `key` (args: arrays or their types), unless it is cached."""
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        programs = self.runner.compile_programs(abstract(args))
+        log.info("compiled %d pipeline stages in %.1f s", len(programs.stages), time.perf_counter() - t0)
+        with self._lock:
+            self._lru[key] = programs
             self.runner.shapes_seen.add(key)
             self.counters["compiled"] += 1
-        return self.runner.pipeline_step(*args)
+            self._evict()
+        return programs
+
+    def get(self, key) -> StagePrograms | None:
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+            return hit
+
+    def call(self, key, args):
+        programs = self.get(key) or self.compile(key, args)
+        return self.runner.pipeline_step(*args, programs=programs)
+
+    def _evict(self):
+        while len(self._lru) > max(self.limit, 1):
+            key, _ = self._lru.popitem(last=False)
+            self.counters["evicted"] += 1
+            log.info("dropped a compiled pipeline step (the least recently used of %d kept): %s", self.limit,
+                     str(key)[:200])
 
 
 class StageTimeline:

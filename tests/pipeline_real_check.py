@@ -67,6 +67,25 @@ def run(model, pp):
     return out, logits
 
 
+def precompiled(pp=3):
+    """LLM(..., pipeline_parallel_size=pp, precompile=True): every stage's programs of the startup shapes and the
+    samplers compiled before any request; the requests then compile no model step and no sampler."""
+    model = fj.load(dtype="float32", device="host")
+    lm = fj.LLM(RealRunner(model, 1), speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                max_num_seqs=2, max_num_batched_tokens=6, max_model_len=MAX_LEN, page_size=4, block_size=4,
+                enable_prefix_caching=True, min_batch_bucket=2, min_token_bucket=4, pipeline_parallel_size=pp,
+                precompile=True)
+    before = {"steps": len(lm.engine._steps), "samplers": len(lm.engine._samplers),
+              "stage_programs": len(lm.engine._steps.get(lm.engine._steps.keys()[0]).stages)}
+    params = fj.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = [lm._add(p, params, f"p{i}").request_id for i, p in enumerate(PROMPTS)]
+    while lm.engine.has_unfinished():
+        lm.engine.step()
+    tokens = [lm.engine.requests[i].output for i in ids]
+    return {"before": before, "tokens": tokens, "compiles_in_requests": lm.engine.counters["compiles"],
+            "steps_after": len(lm.engine._steps), "samplers_after": len(lm.engine._samplers)}
+
+
 def errors():
     from flashnext_jax.pipeline import make_pipeline
 
@@ -94,7 +113,8 @@ def main():
     solo = [model.generate(p, 10) for p in PROMPTS]
     print(json.dumps({"results": {str(k): v for k, v in res.items()}, "logit_diffs": {str(k): v for k, v in
                                                                                     diffs.items()},
-                      "solo": solo, "errors": errors(), "devices": len(jax.devices())}))
+                      "solo": solo, "errors": errors(), "precompiled": precompiled(),
+                      "devices": len(jax.devices())}))
 
 
 if __name__ == "__main__":

@@ -62,3 +62,15 @@ def test_bad_partitions_are_one_clear_error_each(report):
     assert e["sum"] == "layer partition 4,3 sums to 7, the model has 8 layers"
     assert e["empty"] == "layer partition 8,0,0: stage 1 would hold no layers (every stage needs at least one)"
     assert e["devices"].startswith("pipeline_parallel_size 4 x 1 device(s) per stage needs 4 devices, 3 available")
+
+
+def test_pipeline_precompile_leaves_no_compile_in_a_request(report):
+    """LLM(pipeline_parallel_size=3, precompile=True) compiles every stage's program of each startup shape before
+    any request (issue 14 item 4 for pipelines); the requests then compile no step and still equal the solo runs.
+    The same counter counts the compiles of the pipelines run without precompile (so it is live)."""
+    pc = report["precompiled"]
+    assert pc["before"]["steps"] >= 2 and pc["before"]["stage_programs"] == 3, pc
+    assert pc["compiles_in_requests"] == 0, pc
+    assert (pc["steps_after"], pc["samplers_after"]) == (pc["before"]["steps"], pc["before"]["samplers"]), pc
+    assert pc["tokens"] == report["solo"]
+    assert report["results"]["3"]["counters"]["compiles"] > 0
