@@ -449,6 +449,7 @@ class Engine:
         self.counters = collections.Counter()
         self._bug_row_addressed_commit = False  # mutation-test knob: reproduces the incident's addressing bug
         self._last_rows: list[tuple] = []
+        self._widened: dict[StepKey, int] = {}  # decode keys _compile_next_width asked for -> evictions then
         self.grammar_compiler = grammar_compiler  # structured outputs (None: requests with a grammar are refused)
         self.grammars: dict[str, GrammarState] = {}  # request id -> its grammar state, while it runs
 
@@ -600,6 +601,8 @@ class Engine:
         while self.has_unfinished():
             self.step()
         del self.requests["flashnext-warm-up"]
+        self.ledger.flush()  # the release of its slot and pages, queued for the next step: not the first request's
+        self.ledger.warm_ops()
         log.info("warmed up in %.1f s", time.perf_counter() - t0)
         return time.perf_counter() - t0
 
@@ -748,6 +751,11 @@ class Engine:
         sampler does not depend on the width."""
         if key.tokens > self._decode_tokens or key.page_table_width >= self.max_pages_per_row:
             return
+        # asked once per key (a request costs ~20 us, on every decode step), again after the cache dropped a step
+        evicted = self._steps.counters["evicted"]
+        if self._widened.get(key) == evicted:
+            return
+        self._widened[key] = evicted
         wider = key._replace(page_table_width=min(2 * key.page_table_width, self.max_pages_per_row))
 
         def args():  # as the engine calls it

@@ -120,3 +120,27 @@ def test_warm_up_leaves_the_first_request_nothing_to_compile(model):
     assert out == model.generate(prompt, 6)
     with pytest.raises(RuntimeError, match="before any request"):
         eng.warm_up()
+
+
+def test_a_long_request_leaves_the_next_one_nothing_to_compile(model):
+    """The store ops run at a few row counts (MAX_OP_ROWS per call), all compiled by warm_up: a request of many
+    more pages than the warm-up's (26 pages against 4) releases them into the next request's first step, which
+    then compiles nothing (a poison of 26 pages took a new power-of-two program before: the H200's first 32K
+    request compiled 2 store ops in its TTFT)."""
+    import jax
+
+    eng = _engine(model, max_num_seqs=1, prefill_buckets=(16,))  # no prefix cache holding the pages
+    eng.precompile(progress=False)
+    eng.warm_up()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    outs = []
+    for rid, n in (("long", 100), ("next", 9)):
+        prompt = [(3 * i + 2) % 200 + 1 for i in range(n)]
+        eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while eng.has_unfinished():
+            outs += [(list(req.output), prompt) for req in eng.step() if req.finished]
+    assert compiles == []
+    assert [o for o, _ in outs] == [model.generate(p, 4) for _, p in outs]
