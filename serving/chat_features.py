@@ -67,13 +67,14 @@ class ChatShaper:
         if finished:
             rest, calls = self._stream.finish(content)
             delta += rest
-            if delta:
-                out.append({"content": delta})
-            if calls:
-                out.append({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        elif delta:
+        else:
+            calls = self._stream.new_calls(content)
+        if delta:
             out.append({"content": delta})
+        if calls:  # each call as soon as its block closes
+            out.append({"tool_calls": [c.openai(i) for i, c in calls]})
+        if finished and self._stream.calls:
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return out, finish_reason
 
 

@@ -166,10 +166,12 @@ def check_tools(tools: Any) -> list[dict]:
 
 class ToolCallStream:
     """Streaming: content before the first <tool_call> goes out as it comes (a possible tag prefix held back);
-    from the tag on, text is buffered and the calls go out as deltas when the output ends."""
+    each call goes out as a `tool_calls` delta as soon as its block closes (`new_calls`), with the index and id it
+    keeps; text after the first tag that is not a parsed call goes out as content at the end."""
 
     def __init__(self, parser: HermesToolParser):
         self.parser, self._sent, self._in_calls = parser, 0, False
+        self.calls: list[ToolCall] = []  # sent so far, in order (their index is their position)
 
     def feed(self, text: str) -> str:
         """Cumulative text -> the content delta to send now."""
@@ -185,11 +187,25 @@ class ToolCallStream:
         self._sent = len(text) - keep
         return delta
 
-    def finish(self, text: str) -> tuple[str, list[ToolCall]]:
-        """At the end: (the content delta still unsent, the calls). A block that did not parse is sent as content."""
+    def new_calls(self, text: str) -> list[tuple[int, ToolCall]]:
+        """Cumulative text -> (index, call) of each call whose block closed since the last call (a closed block
+        cannot change as text is added, so the calls of a prefix are the first calls of the whole)."""
+        end = text.rfind(END)
+        if not self._in_calls or end < 0:
+            return []
+        return self._take(self.parser.parse(text[: end + len(END)])[1])
+
+    def finish(self, text: str) -> tuple[str, list[tuple[int, ToolCall]]]:
+        """At the end: (the content delta still unsent, (index, call) of the calls not sent yet). A block that did
+        not parse is sent as content."""
         content, calls = self.parser.parse(text)
         if not calls:
             delta, self._sent = text[self._sent:], len(text)
             return delta, []
         sent = text[: self._sent]
-        return (content[len(sent):] if content.startswith(sent) else ""), calls
+        return (content[len(sent):] if content.startswith(sent) else ""), self._take(calls)
+
+    def _take(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
+        fresh = calls[len(self.calls):]
+        self.calls += fresh
+        return list(enumerate(fresh, start=len(self.calls) - len(fresh)))

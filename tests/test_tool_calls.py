@@ -110,15 +110,28 @@ def test_forced_grammars_accept_a_valid_call_and_parse_back(name):
         forced_call_grammar(parser, TOOLS, {"type": "function", "function": {"name": "nope"}}, False)
 
 
-def test_tool_call_stream_holds_back_a_partial_tag_and_sends_calls_at_the_end():
-    text = 'Sure <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-    stream, sent = ToolCallStream(HermesToolParser()), ""
+def test_tool_call_stream_holds_back_a_partial_tag_and_sends_each_call_when_its_block_closes():
+    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = "Sure " + first + "\n" + second
+    stream, sent, calls_at = ToolCallStream(HermesToolParser()), "", {}
     for i in range(1, len(text) + 1):
         sent += stream.feed(text[:i])
         assert "<" not in sent
-    rest, calls = stream.finish(text)
-    assert sent + rest == "Sure" or (sent + rest).strip() == "Sure"
-    assert calls[0].name == "get_time"
+        for index, call in stream.new_calls(text[:i]):
+            calls_at[index] = (i, call)
+    rest, last = stream.finish(text)
+    assert (sent + rest).strip() == "Sure" and last == []  # both calls already went out
+    assert [c.name for _, c in sorted(calls_at.values(), key=lambda x: x[0])] == ["get_time", "get_weather"]
+    assert calls_at[0][0] == len("Sure " + first)  # the first call at the character closing its block
+    assert calls_at[1][0] == len(text)
+    assert [c.id for c in stream.calls] == [calls_at[0][1].id, calls_at[1][1].id]  # ids kept, never re-drawn
+    # an unclosed block at the end is not a call: it goes out as content
+    stream = ToolCallStream(HermesToolParser())
+    cut = "Hi " + first[:-3]
+    assert stream.feed(cut) == "Hi " and stream.new_calls(cut) == []
+    rest, calls = stream.finish(cut)
+    assert calls == [] and rest == first[:-3]
 
 
 @pytest.mark.parametrize("starts_in_think, text, reasoning, content", [
@@ -143,7 +156,8 @@ def test_chat_shaper_streams_reasoning_then_tool_calls():
         deltas, finish = shaper.deltas(text[:i], i == len(text), "stop" if i == len(text) else None)
         got += deltas
     assert "".join(d.get("reasoning_content", "") for d in got) == "think"
-    assert finish == "tool_calls" and got[-1]["tool_calls"][0]["function"]["name"] == "get_time"
+    calls = [tc for d in got for tc in d.get("tool_calls", [])]
+    assert finish == "tool_calls" and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time")]
 
 
 # ----------------------------------------------------------------------------------- through the openai client
