@@ -89,15 +89,13 @@ class PackedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class HostRow:
-    """What the host hook sees of one row: a suffix of the request's tokens before `start`, the row tokens (the
-    last `num_drafts` of them MTP drafts), and the request's images (request_images.RequestImages; None for
-    text), whose rows the pads it covers take."""
+    """What the host hook sees of one row: a suffix of the request's tokens before `start`, the row tokens, and
+    the request's images (request_images.RequestImages; None for text), whose rows the pads it covers take."""
 
     history: tuple[int, ...]
     start: int
     tokens: tuple[int, ...]
     images: Any = None
-    num_drafts: int = 0
 
 
 class ModelRunner(Protocol):
@@ -811,7 +809,7 @@ class Engine:
             n_valid[r.row], start[r.row] = r.n, r.start
             pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
             host_rows[r.row] = HostRow(tuple(req.token_slice(max(0, r.start - 8), r.start)), r.start, r.tokens,
-                                       req.images, r.num_drafts)
+                                       req.images)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = self.runner.host_prepare(host_rows, T)
         # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on

@@ -121,10 +121,8 @@ class RealRunner:
         return out
 
     def stage_host_inputs(self, layers: range) -> tuple[str, ...]:
-        """host_prepare outputs a stage reads: the n-gram rows go to the stage holding the PLE layer(s), the rows'
-        draft counts to the one running the MTP head."""
-        ple = ("ple_rows",) if any(x in layers for x in self.cfg.ple_layers) else ()
-        return ple + (("num_drafts",) if self.k and layers.stop == self.num_layers else ())
+        """host_prepare outputs a stage reads: the n-gram rows go to the stage holding the PLE layer(s)."""
+        return ("ple_rows",) if any(x in layers for x in self.cfg.ple_layers) else ()
 
     # ---- image prompts (request_images.py)
     def encode_images(self, prompt, images):
@@ -154,10 +152,7 @@ class RealRunner:
     # ---- protocol: host side (PLE n-gram rows; the table never enters the jitted params)
     def host_prepare(self, rows, T: int) -> dict[str, np.ndarray]:
         images = self.image_inputs(rows, T) if any(r is not None and r.images is not None for r in rows) else {}
-        out = self._ngram_rows(rows, T) | images
-        if self.k:  # how many of a row's tokens are drafts (the MTP pairs take the argmax there: _mtp)
-            out["num_drafts"] = np.array([0 if r is None else r.num_drafts for r in rows], np.int32)
-        return out
+        return self._ngram_rows(rows, T) | images
 
     def _ngram_rows(self, rows, T: int) -> dict[str, np.ndarray]:
         if not self.n_ple:
@@ -290,44 +285,26 @@ class RealRunner:
 
     def _mtp(self, params, store, batch, mtp_h, hyper, h_tail, logits, tail, live, L, mrope=None):
         """MTP: fold this step's pairs (h_{q-1}, e_q) into the MTP cache (page position q, RoPE position q - 1) and
-        draft k tokens after each tail column, in one MTP layer call (why one: docs/demo-model.md, "MTP speed on the
-        CPU").
-
-        The call's rows are the pairs of page positions q = start (+1 at position 0), ..., start + n - 1 and one
-        more, the last column's draft pair (h at the row's last token, e(bonus)), whose position start + n is not
-        the row's to write (it is folded by the next step, as the pair of its first token). Column c's draft is the
-        row of its bonus token's position: the pair (h at tail token c, e(argmax of its logits)). Where that
-        position holds a draft token of this step, the pair takes the argmax instead of the draft: in greedy
-        decoding an accepted draft equals the argmax, and after a rejected one the argmax is the committed token,
-        so the cache holds exactly the committed pairs whichever column commits, and each column's draft attends to
-        exactly its own future. (A sampled or biased row can commit a draft that is not the argmax: its cache then
-        keeps the argmax's pair there, which changes later drafts, never the tokens: the trunk verifies them.)
-
-        In an image step (`mrope`: the rows' spans) the RoPE positions are those indices' 3-D positions, as the
-        main model's, and a pad token q enters its pair as the tower's row (mtp.py); drafts are generated tokens,
-        never an image's."""
+        draft k tokens after each tail column without writing the cache. In an image step (`mrope`: the rows'
+        spans) the RoPE positions are those indices' 3-D positions, as the main model's, and a pad token q enters
+        its pair as the tower's row (mtp.py); drafts are generated tokens, never an image's."""
         cfg, k = self.cfg, self.k
         B, T = batch.tokens.shape
         K1 = tail.shape[1]
         start, n_valid, tokens = batch.start, batch.n_valid, batch.tokens
         off = (start == 0).astype(jnp.int32)  # position 0 has no predecessor: its pair does not exist
-        j = jnp.arange(T + 1)[None, :]
-        q = start[:, None] + off[:, None] + j  # page position of row j's pair
-        n_pairs = jnp.maximum(n_valid - off, 0)  # rows written; row n_pairs is the last column's draft
-        at = q - start[:, None]  # row offset of each pair's token (n_valid: the bonus, after the row)
+        j = jnp.arange(T)[None, :]
+        q = start[:, None] + off[:, None] + j  # input token position of pair j
+        n_pairs = jnp.maximum(n_valid - off, 0)
+        pvalid = j < n_pairs[:, None]
         prev = jnp.concatenate([mtp_h[:, None], hyper], axis=1)  # prev[:, i] = h at position start - 1 + i
-        h_prev = _take_tokens(prev, jnp.minimum(at, T))
-        y = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K1] each tail column's greedy next token
-        base = jnp.maximum(n_valid - K1, 0)
-        # the tokens from the first draft on (and the bonus) enter as the argmax of the column before them
-        drafted = at >= (n_valid - batch.host["num_drafts"])[:, None]
-        col = jnp.clip(at - 1 - base[:, None], 0, K1 - 1)
-        e_tok = jnp.where(drafted, _take_tokens(y, col), _take_tokens(tokens, jnp.minimum(at, T - 1)))
+        h_prev = _take_tokens(prev, jnp.minimum(q - start[:, None], T))
+        at = jnp.minimum(q - start[:, None], T - 1)  # row offset of each pair's token q
+        e_tok = _take_tokens(tokens, at)
         image = {}
         if mrope is not None:
-            at_tok = jnp.minimum(at, T - 1)
-            image = dict(image_embeds=_take_tokens(batch.host["image_embeds"], at_tok),
-                         image_mask=_take_tokens(batch.host["image_mask"], at_tok) & ~drafted)
+            image = dict(image_embeds=_take_tokens(batch.host["image_embeds"], at),
+                         image_mask=_take_tokens(batch.host["image_mask"], at))
         ratio = cfg.indexer_compress_ratio or 1
 
         length = -(-(L + k) // ratio) * ratio  # room for the chained draft keys past the last page position
@@ -339,30 +316,29 @@ class RealRunner:
 
         cache = tuple(dense(n) for n in ("mtp_k", "mtp_v", "mtp_index"))
         ref_start = start + off - 1
-        dl, h, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs + 1, cache, mrope, **image)
-        rpos = jnp.clip(q[:, :T] - 1, 0, cache[0].shape[1] - 1)
-        wvalid = (j[:, :T] < n_pairs[:, None]) & live[:, None]
+        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs, cache, mrope, **image)
+        rpos = jnp.clip(q - 1, 0, cache[0].shape[1] - 1)
+        wvalid = pvalid & live[:, None]
         for name, a in zip(("mtp_k", "mtp_v", "mtp_index"), cache):
-            store = write_pages(store, name, batch.page_table, q[:, :T], wvalid, _take_tokens(a, rpos))
+            store = write_pages(store, name, batch.page_table, q, wvalid, _take_tokens(a, rpos))
 
-        # column c's first draft is row tail[c] + 1 - off; the next k - 1 chain from it. The K1 columns are
-        # alternative futures, so each chained draft runs on its own copy of its row's cache, as K1 * B rows of
-        # one call per draft (on the CPU each call's ~100 small ops cost more than its arithmetic)
-        row = tail + 1 - off[:, None]  # [B, K1]
-        col = [_take_tokens(dl, row)]  # [B, K1, V]
-        if k > 1:
-            rows = lambda a: jnp.repeat(a, K1, axis=0)  # noqa: E731  [B, ...] -> [B * K1, ...], row b * K1 + c
-            h = _take_tokens(h, row).reshape(B * K1, 1, h.shape[-1])
-            pos = (start[:, None] + tail).reshape(B * K1)
-            y = jnp.argmax(col[0], axis=-1).astype(jnp.int32).reshape(B * K1)
-            cc = tuple(rows(a) for a in cache)
-            spans = None if mrope is None else dataclasses.replace(mrope, spans=rows(mrope.spans))
-            one = jnp.ones((B * K1,), jnp.int32)
-            for i in range(1, k):
-                dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc, spans)
-                col.append(dl[:, 0].reshape(B, K1, -1))
-                y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
-        return store, jnp.stack(col, 2)  # [B, K1, k, V]
+        # drafts: column c = MTP(h at tail token, e(argmax)) at the tail token's position, chained k times. The K1
+        # columns are alternative futures (one per accepted count), so each needs the cache without the others'
+        # draft keys: they run as K1 * B rows of one call, each on its own copy of its row's cache (one MTP layer
+        # call per draft instead of K1: on the CPU each call's ~100 small ops cost more than its arithmetic)
+        rows = lambda a: jnp.repeat(a, K1, axis=0)  # noqa: E731  [B, ...] -> [B * K1, ...], row b * K1 + c
+        h = h_tail.reshape(B * K1, 1, h_tail.shape[-1])
+        pos = (start[:, None] + tail).reshape(B * K1)
+        y = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(B * K1)
+        cc = tuple(rows(a) for a in cache)
+        spans = None if mrope is None else dataclasses.replace(mrope, spans=rows(mrope.spans))
+        one = jnp.ones((B * K1,), jnp.int32)
+        col = []
+        for i in range(k):
+            dl, h, cc = mtp_forward(params, cfg, h, y[:, None], pos + i, one, cc, spans)
+            col.append(dl[:, 0])
+            y = jnp.argmax(dl[:, 0], axis=-1).astype(jnp.int32)
+        return store, jnp.stack(col, 1).reshape(B, K1, k, -1)  # [B, K1, k, V]
 
 
 __all__ = ["RealRunner"]
