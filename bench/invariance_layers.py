@@ -9,7 +9,8 @@ or the second chunk of its prompt cut short by a long B ahead of it) are compare
 order the step computes them. The first tap that differs names the op; everything before it is shown equal.
 (A tap forces its value into memory; both runs carry the same taps, so they compare like with like.)
 
-    GPU:  PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/invariance_layers.py --case decode --out $OUT/x.json
+    GPU:  PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/invariance_layers.py --out $OUT/x.json
+          (--case prefill|decode|chunked; default all three, one engine)
     CPU:  JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/invariance_layers.py --tiny
 """
 

@@ -102,7 +102,7 @@ class PipelineRunner:
         return StagePrograms(tuple(programs), (tuple(store_types), out))
 
     def _stage_batch(self, batch, st):
-        """The batch a stage takes: the host-gathered inputs it reads (PLE rows only where layer 1 is)."""
+        """The batch a stage takes: only the host-gathered inputs it reads (PLE rows: the PLE layers' stage)."""
         names = self.base.stage_host_inputs(st.layers)
         return dataclasses.replace(batch, host={n: batch.host[n] for n in names})
 

@@ -9,7 +9,8 @@ What is fixed (depends on K and N only): the K loop runs in blocks of BK = the l
 K (64 for every real model width), one fp32 accumulator per output element, the blocks added in index order; the
 K blocks are cut into S contiguous splits (`k_splits`: more splits for fewer column tiles, so a small N such as
 in_proj_a's 48 columns runs 24 programs instead of 3, each looping 5 blocks instead of 40), and the S fp32
-partials are added in a fixed pairwise tree of elementwise adds (fixed_order.pairwise_sum) after the kernel. The weights are the tensor-core dot's LEFT operand (acc[BN, BM] += w_tile[BN, BK] @ x_tile^T[BK, BM],
+partials are added in a fixed pairwise tree of elementwise adds (fixed_order.pairwise_sum) after the kernel. The
+weights are the tensor-core dot's LEFT operand (acc[BN, BM] += w_tile[BN, BK] @ x_tile^T[BK, BM],
 transposed once at the end), as quant_matmul's DenseConfig.weights_left: tokens are the wgmma N dimension, and the
 quantized kernel in that form measured the same bits at every M from 1 to 8192 (bench/results/quant_invariance_*.json).
 BN (64 where the padded N allows, else 32 or 16) follows N.
