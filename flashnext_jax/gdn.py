@@ -90,6 +90,16 @@ def _shift_rows(a, offset):
     return _gather_tokens(a, offset[:, None] + jnp.arange(a.shape[1])[None, :])
 
 
+def absolute_chunk_split(start, n_valid, chunk: int = CHUNK):
+    """How `delta_rule_absolute`'s rule splits each row's tokens (absolute positions start .. start + n_valid - 1):
+    (head, body, rest) [B]: `head` tokens before the first whole absolute chunk (recurrent), `body` tokens in whole
+    chunks (chunked), the recurrent rest from row offset `rest` = head + body. No whole chunk: 0, 0, 0."""
+    up = -(-start // chunk) * chunk  # the first chunk boundary at or after start
+    body = jnp.maximum((start + n_valid) // chunk * chunk - up, 0)  # up to the last boundary at or before the end
+    head = jnp.where(body > 0, up - start, 0)
+    return head, body, head + body
+
+
 def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chunk: int = CHUNK):
     """The delta rule over each row's n_valid tokens at absolute positions start .. start + n_valid - 1, computed
     so that a token's result does not depend on how its prompt was cut into steps or what else the step holds.
@@ -108,12 +118,7 @@ def delta_rule_absolute(q, k, v, g, beta, state, start, n_valid, ends=None, chun
     (g = beta = 0).
     """
     b, t = g.shape[:2]
-    end = start + n_valid
-    up = -(-start // chunk) * chunk  # the first chunk boundary at or after start
-    down = end // chunk * chunk  # the last chunk boundary at or before end
-    body = jnp.maximum(down - up, 0)  # tokens in whole chunks
-    head = jnp.where(body > 0, up - start, 0)  # tokens before them (recurrent)
-    rest = head + body  # step offset where the recurrent window starts
+    head, body, rest = absolute_chunk_split(start, n_valid, chunk)
     pos = jnp.arange(t)[None, :]
     keep = lambda a, m: jnp.where(m.reshape(*m.shape, *([1] * (a.ndim - 2))), a, 0.0)  # noqa: E731
 
@@ -317,11 +322,7 @@ def _in_store_absolute(q, k, v, g, beta, rec: StoreRecState, ends, start, n_vali
     leaf, read_col = rec.leaf, rec.read_col
     pos = jnp.arange(t)[None, :]
     identity_outside = lambda a, m: jnp.where(m[..., None], a, 0.0)  # noqa: E731  g, beta [B, T, H]
-    end = start + n_valid
-    up = -(-start // chunk) * chunk  # the first chunk boundary at or after start
-    body = jnp.maximum(end // chunk * chunk - up, 0) if t >= chunk else jnp.zeros_like(start)  # whole-chunk tokens
-    head = jnp.where(body > 0, up - start, 0)
-    rest = head + body  # where the recurrent rest starts
+    head, body, rest = absolute_chunk_split(start, n_valid, chunk)  # body = 0 when t < chunk
     out = jnp.zeros(v.shape, v.dtype)
     if t >= chunk:
         w = chunk - 1  # A: the ragged head, the state after its last token to column 0
