@@ -72,12 +72,10 @@ class PipelineRunner:
             self._steps = PipelineSteps(self)
         return self._steps
 
-    def pipeline_step(self, params, stores, batch, prompt_targets=None, programs: "StagePrograms | None" = None):
-        """One micro-batch through every stage (asynchronously dispatched): -> (new stores, last stage's outputs:
-        engine.model_step's). programs: the stages' compiled executables for these argument types
-        (`compile_programs`); without them each stage's jit compiles a new shape on its first call."""
-        with fixed_order.batch_invariant(self.batch_invariant):  # a stage traced here keeps this mode
-            return self._launch(params, stores, batch, prompt_targets, programs)
+    def pipeline_step(self, params, stores, batch, prompt_targets, programs: "StagePrograms"):
+        """One micro-batch through every stage (asynchronously dispatched) with the stages' compiled executables
+        for these argument types (`compile_programs`): -> (new stores, last stage's outputs: engine.model_step's)."""
+        return self._launch(params, stores, batch, prompt_targets, programs)
 
     def compile_programs(self, args: tuple) -> "StagePrograms":
         """Compile every stage's program for the engine's step arguments `args` = (params, stores, batch,
@@ -108,8 +106,7 @@ class PipelineRunner:
 
     def _launch(self, params, stores, batch, prompt_targets, programs):
         x, new, last = None, [], self.plan.size - 1
-        fns = self._jits if programs is None else programs.stages
-        for st, p, store, fn in zip(self.plan.stages, params, stores, fns, strict=True):
+        for st, p, store, fn in zip(self.plan.stages, params, stores, programs.stages, strict=True):
             b = jax.device_put(self._stage_batch(batch, st), st.sharding)
             if st.index == last:
                 pt = None if prompt_targets is None else jax.device_put(prompt_targets, st.sharding)

@@ -192,6 +192,7 @@ def round_pages_up(n: int) -> int:
     return -(-n >> drop) << drop
 
 
+MIN_OP_ROWS = 8  # a store-op call's rows are padded to a power of two from this
 MAX_OP_ROWS = 64  # rows per jitted store-op call: a flush of more (a long request's pages released) loops
 OP_WIDTHS = {"reset": 3, "poison_slot": 2, "cursor": 3, "capture": 4, "copy_page": 2, "poison_page": 1,
              "poison_snap": 1}  # the integers of one queued op of each kind (StoreLedger's _ops rows)
@@ -202,7 +203,7 @@ def _bucket(n: int) -> int:
 
 
 def _pad(rows: Sequence[Sequence[int]], width: int, fill: int = -1) -> np.ndarray:
-    out = np.full((max(8, _bucket(len(rows))), width), fill, np.int32)
+    out = np.full((max(MIN_OP_ROWS, _bucket(len(rows))), width), fill, np.int32)
     for i, r in enumerate(rows):
         out[i] = r
     return out
@@ -584,10 +585,11 @@ class StoreLedger:
         -1: dropped), so that each is compiled now and no request's flush compiles one (the first 32K request
         on the H200 compiled 2 store ops, 0.15 s of its TTFT: the release of the warm-up's pages among them).
         The integer-leaf writes (`set_slot:*`, image steps) are left to their first use."""
-        sizes = [1 << i for i in range(3, MAX_OP_ROWS.bit_length()) if 1 << i <= MAX_OP_ROWS]
-        for n in sizes:
+        n = MIN_OP_ROWS
+        while n <= MAX_OP_ROWS:
             for kind, width in OP_WIDTHS.items():
                 self._apply(kind, np.full((n, width), -1, np.int32))
+            n *= 2
 
     def _apply(self, kind: str, a: np.ndarray):
         stores = self.store if self.staged else (self.store,)
