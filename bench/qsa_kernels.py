@@ -99,6 +99,11 @@ def attention_rows(args, mode, ks, k_pool, v_pool, ratio, kv, g, hd, top, contex
             fns[f"kernel_s{s}"] = jax.jit(functools.partial(
                 lambda q, kp, vp, *a, s: qsa_sparse.sparse_attention_pallas(
                     q, kp, vp, *a, layer=5, ratio=ratio, keys_per_step=s, interpret=mode == "interpret"), s=s))
+        for p in args.splits:  # flash-decoding splits of the key list (the batch-invariant path's form)
+            fns[f"kernel_s64_p{p}"] = jax.jit(functools.partial(
+                lambda q, kp, vp, *a, p: qsa_sparse.sparse_attention_pallas(
+                    q, kp, vp, *a, layer=5, ratio=ratio, keys_per_step=64, kv_splits=p,
+                    interpret=mode == "interpret"), p=p))
         res = {impl: timed(fn, q, k_pool, v_pool, blk_page, blk_off, blk_len, reps=args.reps)
                for impl, fn in fns.items()}
         row = dict(op="sparse_attention", case=name, T=t, context=ctx, blocks=j, ref_ms=res["reference"][0])
@@ -114,7 +119,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--splits", default="4,8,16", help="kv_splits of the split kernel rows")
     args = ap.parse_args()
+    args.splits = [int(p) for p in args.splits.split(",") if p]
     mode = "interpret" if SMOKE else "pallas"
     ratio, layers, kv, g, hd, ni, di, top = 4, 12, 2, 12, 256, 4, 128, 512
     context = 2048 if SMOKE else 262144
@@ -150,6 +157,9 @@ def main():
     summary |= dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
     path = save_result("qsa_kernels.json", rows, args.out, summary=summary, smoke=SMOKE, context=context)
+    for r in rows:
+        if r["op"] == "sparse_attention":
+            print(r["case"], {k: round(v, 4) for k, v in r.items() if "_p" in k})
     print(f"wrote {path}\n{'op':>17} {'case':>12} {'T':>5} {'ref ms':>8} {'kv-major':>8} {'k s32':>8} {'k s64':>8} "
           f"{'k s128':>8} {'err s64':>8}")
     for r in rows:

@@ -91,11 +91,10 @@ def key_rows(blk_page, blk_off, blk_len, *, ratio: int, keys_per_step: int):
     return _pad_to(page.astype(jnp.int32), 2, s), _pad_to(row.astype(jnp.int32), 2, s, value=-1)
 
 
-def _attention_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, o_ref, *, layer, keys_per_step, n_steps, scale):
-    """One (row, query, kv head): an online softmax over the query's keys, keys_per_step at a time, each step one
-    gathered [S, hd] load of K and of V from the pools and two tensor-core dots for the query's heads."""
-    h = pl.program_id(2)
-    q = q_ref[0, 0, 0]  # [Gp, hd]
+def _online_softmax(q, page_ref, row_ref, k_ref, v_ref, h, first, last, *, layer, keys_per_step, scale):
+    """Steps first .. last - 1 of one (row, query, kv head)'s key list: an online softmax, each step one gathered
+    [S, hd] load of K and of V from the pools and two tensor-core dots for the query's heads. Returns the running
+    (max [Gp], sum [Gp], unnormalised output [Gp, hd]) in fp32."""
     gp, hd = q.shape
 
     def body(i, carry):
@@ -117,33 +116,95 @@ def _attention_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, o_ref, *, layer, k
         return m_new, l, acc
 
     init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_steps, body, init)
+    return jax.lax.fori_loop(first, last, body, init)
+
+
+def _attention_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, o_ref, *, layer, keys_per_step, n_steps, scale):
+    """One (row, query, kv head) over its whole key list, normalised in place."""
+    _, l, acc = _online_softmax(q_ref[0, 0, 0], page_ref, row_ref, k_ref, v_ref, pl.program_id(2), 0, n_steps,
+                                layer=layer, keys_per_step=keys_per_step, scale=scale)
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[0, 0, 0] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "ratio", "keys_per_step", "interpret"))
+def _split_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, layer, keys_per_step, n_steps,
+                  steps_per_split, scale):
+    """One (row, query, kv head, split): the split's steps of the key list, left unnormalised for the combine."""
+    first = pl.program_id(3) * steps_per_split
+    m, l, acc = _online_softmax(q_ref[0, 0, 0], page_ref, row_ref, k_ref, v_ref, pl.program_id(2), first,
+                                jnp.minimum(first + steps_per_split, n_steps), layer=layer,
+                                keys_per_step=keys_per_step, scale=scale)
+    acc_ref[0, 0, 0, 0], m_ref[0, 0, 0, 0], l_ref[0, 0, 0, 0] = acc, m, l
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n_splits):
+    """One (row, query, kv head): the splits' partial softmaxes rescaled to their common max and added in split
+    order (a fixed order, whatever the step's shape)."""
+    m = m_ref[0, 0, 0]  # [P, Gp]
+    top = jnp.max(m, axis=0)
+    safe = jnp.where(top == -jnp.inf, 0.0, top)
+    l, acc = None, None
+    for i in range(n_splits):
+        w = jnp.where(m[i] == -jnp.inf, 0.0, jnp.exp(m[i] - safe))  # [Gp]
+        li, ai = w * l_ref[0, 0, 0, i], w[:, None] * acc_ref[0, 0, 0, i]
+        l, acc = (li, ai) if l is None else (l + li, acc + ai)
+    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[0, 0, 0] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "ratio", "keys_per_step", "kv_splits", "interpret"))
 def sparse_attention_pallas(q, k_pool, v_pool, blk_page, blk_off, blk_len, *, layer: int, ratio: int,
-                            keys_per_step: int = 64, interpret: bool = False):
+                            keys_per_step: int = 64, kv_splits: int = 1, interpret: bool = False):
     """Same contract as qsa_sparse_reference.sparse_attention (the pools are read in place, never copied). The
-    query heads of a kv head are padded to at least 16 (the smallest tensor-core tile)."""
+    query heads of a kv head are padded to at least 16 (the smallest tensor-core tile).
+
+    kv_splits > 1 cuts every query's key list into that many runs of whole steps, one program each, and a second
+    kernel combines them (flash-decoding): a decode step has only B x kv-heads programs otherwise, each walking
+    ~33 steps in a row. The split depends on the key-list length alone (J x ratio, fixed by the config), so a
+    query's sums are formed the same way in a one-token step and inside a prefill chunk."""
     b, t, kv, g, hd = q.shape
     gp = _pow2_at_least(g, 16)
     qp = _pad_to(q, 3, gp)
     page, row = key_rows(blk_page, blk_off, blk_len, ratio=ratio, keys_per_step=keys_per_step)
     s = page.shape[-1]
-    pool_spec = pl.BlockSpec(k_pool.shape, lambda i, a, c: (0,) * k_pool.ndim)
-    table_spec = pl.BlockSpec((1, 1, s), lambda i, a, c: (i, a, 0))
+    n_steps = s // keys_per_step
+    pool_spec = pl.BlockSpec(k_pool.shape, lambda i, a, c, *_: (0,) * k_pool.ndim)
+    table_spec = pl.BlockSpec((1, 1, s), lambda i, a, c, *_: (i, a, 0))
+    q_spec = pl.BlockSpec((1, 1, 1, gp, hd), lambda i, a, c, *_: (i, a, c, 0, 0))
+    if kv_splits == 1:
+        out = pl.pallas_call(
+            functools.partial(_attention_kernel, layer=layer, keys_per_step=keys_per_step, n_steps=n_steps,
+                              scale=hd**-0.5),
+            grid=(b, t, kv),
+            in_specs=[q_spec, table_spec, table_spec, pool_spec, pool_spec],
+            out_specs=q_spec,
+            out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+            interpret=interpret,
+        )(qp, page, row, k_pool, v_pool)
+        return out[:, :, :, :g]
+    splits = kv_splits
+    acc_spec = pl.BlockSpec((1, 1, 1, 1, gp, hd), lambda i, a, c, d: (i, a, c, d, 0, 0))
+    ml_spec = pl.BlockSpec((1, 1, 1, 1, gp), lambda i, a, c, d: (i, a, c, d, 0))
+    acc, m, l = pl.pallas_call(
+        functools.partial(_split_kernel, layer=layer, keys_per_step=keys_per_step, n_steps=n_steps,
+                          steps_per_split=-(-n_steps // splits), scale=hd**-0.5),
+        grid=(b, t, kv, splits),
+        in_specs=[q_spec, table_spec, table_spec, pool_spec, pool_spec],
+        out_specs=[acc_spec, ml_spec, ml_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, t, kv, splits, gp, hd), jnp.float32),
+                   jax.ShapeDtypeStruct((b, t, kv, splits, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, t, kv, splits, gp), jnp.float32)],
+        interpret=interpret,
+    )(qp, page, row, k_pool, v_pool)
+    part_spec = lambda *tail: pl.BlockSpec((1, 1, 1, splits) + tail, lambda i, a, c: (i, a, c, 0) + (0,) * len(tail))
     out = pl.pallas_call(
-        functools.partial(_attention_kernel, layer=layer, keys_per_step=keys_per_step, n_steps=s // keys_per_step,
-                          scale=hd**-0.5),
+        functools.partial(_combine_kernel, n_splits=splits),
         grid=(b, t, kv),
-        in_specs=[pl.BlockSpec((1, 1, 1, gp, hd), lambda i, a, c: (i, a, c, 0, 0)), table_spec, table_spec,
-                  pool_spec, pool_spec],
+        in_specs=[part_spec(gp, hd), part_spec(gp), part_spec(gp)],
         out_specs=pl.BlockSpec((1, 1, 1, gp, hd), lambda i, a, c: (i, a, c, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
-    )(qp, page, row, k_pool, v_pool)
+    )(acc, m, l)
     return out[:, :, :, :g]
 
 
@@ -161,6 +222,10 @@ def indexer_scores(q_index, keys, n_complete, block0=0, *, impl: str | None = No
 # query counts from which 'auto' runs the attention kernel on a GPU (bench/results/qsa_kernels.json, H200, 8,192
 # queries: kernel 7.6 ms against the reference's 46.5; one decode query: 0.27 ms against 0.13)
 KERNEL_MIN_QUERIES = 64
+
+# splits of every query's key list in batch-invariant traces: a fixed number, so a decode query is summed the same
+# way alone and inside a prefill chunk, and enough programs that a one-token step does not walk 33 steps in a row
+INVARIANT_KV_SPLITS = 8
 
 
 def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, *, ratio: int,
@@ -181,6 +246,7 @@ def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, 
         return ref.sparse_attention(q, k_pool, v_pool, layer, blk_page, blk_off, blk_len, ratio=ratio,
                                     query_tile=query_tile)
     return sparse_attention_pallas(q, k_pool, v_pool, blk_page, blk_off, blk_len, layer=layer, ratio=ratio,
+                                   kv_splits=INVARIANT_KV_SPLITS if fixed_order.enabled() else 1,
                                    interpret=mode == "interpret")
 
 
