@@ -54,13 +54,16 @@ threading._register_atexit(_wait_at_exit)
 
 
 def abstract(tree: Any) -> Any:
-    """The tree with every array replaced by its type (shape, dtype, weak type and, for arrays committed to a
-    device, the sharding), as jit sees it: what `lower` needs, without holding buffers the engine may donate meanwhile."""
+    """The tree with every array replaced by its type (shape, dtype, weak type, memory space and, for arrays
+    committed to a device, the sharding), as jit sees it: what `lower` needs, without holding buffers the engine
+    may donate meanwhile. The memory space is given apart: a sharding's memory kind alone traces as device memory
+    (then the program would copy a pinned-host store leaf to the device on every call, qsa_offload.py)."""
     def one(x):
         if isinstance(x, jax.Array):
             committed = getattr(x, "_committed", True)
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
-                                        weak_type=bool(getattr(x, "weak_type", False)))
+                                        weak_type=bool(getattr(x, "weak_type", False)),
+                                        _memory_space=jax.typeof(x).memory_space)
         if isinstance(x, np.ndarray):
             return jax.ShapeDtypeStruct(x.shape, x.dtype)
         return x

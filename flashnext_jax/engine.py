@@ -389,6 +389,9 @@ class EngineConfig:
     # boundaries): fixed-order reductions, one matmul path per weight, no excess precision (docs/batch-invariance.md).
     # None: fixed_order.default_mode() (on for the CPU; the GPU's kernels are not invariant yet)
     batch_invariant: bool | None = None
+    # the QSA layers' K/V pages in pinned host memory, fetched as the indexer selects them (qsa_offload.py): the
+    # device keeps the indexer's keys only, for GPUs too small for the whole context's K/V
+    qsa_kv_offload: bool = False
 
 
 class Engine:
@@ -402,6 +405,11 @@ class Engine:
             cfg = dataclasses.replace(cfg, compile_ahead=False)
         if cfg.batch_invariant is None:
             cfg = dataclasses.replace(cfg, batch_invariant=fixed_order.default_mode())
+        if cfg.qsa_kv_offload:
+            if not hasattr(runner, "with_qsa_kv_offload"):
+                raise ValueError(f"qsa_kv_offload: {type(runner).__name__} cannot keep QSA K/V pages in host memory "
+                                 "(a RealRunner of one stage can)")
+            runner = runner.with_qsa_kv_offload()
         if cfg.num_speculative_tokens > runner.k:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order

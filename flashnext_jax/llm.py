@@ -108,7 +108,8 @@ class LLM:
         with a vision tower, docs/vision.md), as vLLM's: limit_mm_per_prompt={"image": N} images per prompt at most
         (default: RealRunner's 8 image slots), allowed_media_domains: hosts http(s) image URLs may be fetched from
         (default: none, data: URLs only); max_image_pixels: of one image as decoded (default: Pillow's
-        decompression-bomb threshold, 89,478,485). engine_kwargs: further EngineConfig fields."""
+        decompression-bomb threshold, 89,478,485). engine_kwargs: further EngineConfig fields, e.g.
+        qsa_kv_offload=True: the QSA K/V pages in pinned host memory (docs/long-context.md)."""
         k = 0
         if speculative_config:
             method = speculative_config.get("method", "mtp")
@@ -142,6 +143,7 @@ class LLM:
         self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
+        self.runner = self.engine.runner  # qsa_kv_offload=True: the runner with its K/V in host memory
         if precompile:
             self.engine.precompile(sampling_params=precompile_sampling)
             self.engine.warm_up()  # the store's ops and the programs' first launches, before the first request

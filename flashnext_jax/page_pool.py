@@ -8,6 +8,9 @@ must fit in the rest (1 - utilization). On the CPU (no statistics) the pool is w
 max_model_len tokens need, capped at CPU_POOL_FRACTION of the host's available memory and at CPU_POOL_CAP_BYTES:
 a laptop or a test run does not reserve gigabytes for contexts it will not use.
 
+Page leaves kept in pinned host memory (the QSA K/V with --qsa-kv-offload, qsa_offload.py) do not count against
+the device's budget; they take at most HOST_POOL_FRACTION of the host's available memory.
+
 Page counts are rounded down to at most 6 significant bits (at most 3% less; state_store.round_pages_down; the
 ledger rounds any other count up the same way), so the allocated store is what the budget allows, not the next
 power of two.
@@ -24,6 +27,7 @@ import numpy as np
 from .state_store import StoreSpec, round_pages_down
 
 CPU_POOL_FRACTION = 0.25
+HOST_POOL_FRACTION = 0.5  # of the host's available memory, for page leaves kept in pinned host memory
 CPU_POOL_CAP_BYTES = 4 << 30
 
 
@@ -83,10 +87,17 @@ def size_pool(spec: StoreSpec | tuple[StoreSpec, ...], page_size: int, num_slots
         limit, in_use = memory
         others = sum(leaf_bytes(sp.slot) for sp in specs) * (num_slots * k1 + num_snapshots)
         budget = int(utilization * limit) - in_use - others
-        pages = round_pages_down(max(budget // page_bytes, 0))
-        return PoolSize(pages, page_bytes, f"{utilization:.2f} of jax's {limit / 2**30:.1f} GiB device memory limit "
-                                           f"(XLA_PYTHON_CLIENT_MEM_FRACTION of the device, default 0.75), "
-                                           f"{in_use / 2**30:.2f} GiB in use before")
+        host = {n: l for sp in specs for n, l in sp.page.items() if l.memory_kind != "device"}
+        device_page_bytes = max(1, page_bytes - page_bytes_of(host, page_size))
+        pages = round_pages_down(max(budget // device_page_bytes, 0))
+        source = (f"{utilization:.2f} of jax's {limit / 2**30:.1f} GiB device memory limit "
+                  f"(XLA_PYTHON_CLIENT_MEM_FRACTION of the device, default 0.75), {in_use / 2**30:.2f} GiB in use before")
+        if host:  # leaves in pinned host memory (--qsa-kv-offload): the host's memory bounds them too
+            host_pages = int(HOST_POOL_FRACTION * host_available_bytes()) // page_bytes_of(host, page_size)
+            pages = min(pages, round_pages_down(max(host_pages, 1)))
+            source += (f"; {', '.join(host)} in pinned host memory (at most {HOST_POOL_FRACTION:.0%} of the host's "
+                       f"available memory)")
+        return PoolSize(pages, page_bytes, source)
     want = pages_per_seq * num_slots + 2 * pages_per_seq
     cap = min(int(CPU_POOL_FRACTION * host_available_bytes()), CPU_POOL_CAP_BYTES) // page_bytes
     pages = round_pages_down(max(min(want, cap), 1))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import qsa_sparse
 
+from . import qsa_offload
 from .config import ModelConfig
 from .layers import linear
 from .qsa import block_keys, project
@@ -39,7 +40,8 @@ class PagedKV(NamedTuple):
     """The store's QSA page leaves as one layer sees them: pools [P + 1, page, n_qsa, ...] (last page = the
     poisoned null page) of K, V and raw index keys, the block-key pool [P + 1, page / ratio, n_qsa, dI], the rows'
     page tables [B, MP], which tokens get written ([B, T]: valid tokens of live rows), this layer's index among
-    the QSA layers and the scoring tile's size in scores (the memory knob)."""
+    the QSA layers, the scoring tile's size in scores (the memory knob), and whether K and V live in pinned host
+    memory (qsa_offload.py: then only what a step attends comes to the device)."""
 
     k: jax.Array
     v: jax.Array
@@ -49,6 +51,7 @@ class PagedKV(NamedTuple):
     write: jax.Array
     layer: int
     score_elements: int = SCORE_TILE_ELEMENTS
+    offload: bool = False
 
 
 def _page_rows(kv: PagedKV, positions):
@@ -142,8 +145,12 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     bsz, t, _ = u.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, gate, k, v, q_index, k_index = project(p, cfg, u, positions, mrope)
-    kv = kv._replace(k=_write(kv.k, kv, positions, k), v=_write(kv.v, kv, positions, v),
-                     index=_write(kv.index, kv, positions, k_index))
+    if kv.offload:
+        k_pool, v_pool = (qsa_offload.write_entries(pool, kv.layer, kv.page_table, positions, kv.write, new)
+                          for pool, new in ((kv.k, k), (kv.v, v)))
+    else:
+        k_pool, v_pool = _write(kv.k, kv, positions, k), _write(kv.v, kv, positions, v)
+    kv = kv._replace(k=k_pool, v=v_pool, index=_write(kv.index, kv, positions, k_index))
     kv = kv._replace(block_keys=_write_block_keys(p["indexer"], cfg, kv, positions, mrope))
 
     with jax.named_scope("select"):
@@ -158,8 +165,11 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
 
     qh = q.reshape(bsz, t, nkv, nh // nkv, hd)
     with jax.named_scope("attend"):
-        out = qsa_sparse.sparse_attention(qh, kv.k, kv.v, kv.layer, page, row, length, ratio=ratio,
-                                          query_tile=query_tile)
+        if kv.offload:
+            out = qsa_offload.attend(qh, kv, blocks, page, row, length, ratio=ratio, query_tile=query_tile)
+        else:
+            out = qsa_sparse.sparse_attention(qh, kv.k, kv.v, kv.layer, page, row, length, ratio=ratio,
+                                              query_tile=query_tile)
     out = out.astype(u.dtype).reshape(bsz, t, nh * hd) * jax.nn.sigmoid(gate)
     return linear(out, p["o_proj"]), kv
 

@@ -20,6 +20,7 @@ row's own range [start, start + n); the dense MTP cache is the paged one shifted
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -32,6 +33,7 @@ from .request_images import encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
 from .mtp import mtp_forward
 from .ple import gather_rows
+from . import qsa_offload
 from .qsa_paged import SCORE_TILE_ELEMENTS, PagedKV
 from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
 
@@ -79,6 +81,21 @@ class RealRunner:
         self.prefill_align = GDN_CHUNK if self.n_gdn else 1
         # image prompts (a checkpoint with a vision tower): each slot holds its request's image spans
         self.max_images = int(max_images_per_prompt) if getattr(model, "vision", None) is not None else 0
+        self.qsa_kv_offload = False  # the QSA K/V pages in pinned host memory (with_qsa_kv_offload)
+
+    def with_qsa_kv_offload(self) -> "RealRunner":
+        """This runner with the QSA layers' K/V pages in pinned host memory (qsa_offload.py): only the blocks a
+        step attends come to the device. Needs the paged QSA path and a backend with pinned host memory."""
+        if not self.paged_qsa:
+            raise ValueError("--qsa-kv-offload needs the paged QSA path (a model with QSA layers and an indexer, "
+                             "RealRunner(paged_qsa=True))")
+        device = jax.devices()[0]
+        if not qsa_offload.supported(device):
+            raise ValueError(f"--qsa-kv-offload needs pinned host memory; the {device.platform} backend offers "
+                             f"{[m.kind for m in device.addressable_memories()]}")
+        out = copy.copy(self)
+        out.qsa_kv_offload = True
+        return out
 
     # ---- protocol: what a request needs
     def store_spec(self, layers: range | None = None) -> StoreSpec:
@@ -94,8 +111,9 @@ class RealRunner:
                             jnp.float32, 0),
             "gdn_conv": Leaf((n["gdn"], c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dt, 0),
         }
-        page = {"qsa_k": Leaf((n["qsa"], kv, hd), dt), "qsa_v": Leaf((n["qsa"], kv, hd), dt),
-                "qsa_index": Leaf((n["qsa"], di), dt)}
+        kv_memory = qsa_offload.HOST_MEMORY_KIND if self.qsa_kv_offload else "device"
+        page = {"qsa_k": Leaf((n["qsa"], kv, hd), dt, memory_kind=kv_memory),
+                "qsa_v": Leaf((n["qsa"], kv, hd), dt, memory_kind=kv_memory), "qsa_index": Leaf((n["qsa"], di), dt)}
         if self.paged_qsa:  # the indexer's compressed key of each complete block, written once (qsa_paged.py)
             page["qsa_block_keys"] = Leaf((n["qsa"], di), dt, tokens_per_row=c.indexer_compress_ratio)
         if n["ple"]:
@@ -232,10 +250,13 @@ class RealRunner:
         L = -(-batch.page_table.shape[1] * store.page["qsa_k"].shape[1] // ratio) * ratio  # the dense KV length
         qpos = jnp.minimum(positions, L - 1)
         has_qsa = store.page["qsa_k"].shape[2] > 0  # a pipeline stage may hold no QSA layer
+        if self.qsa_kv_offload and store.page["qsa_k"].shape[1] % ratio:
+            raise ValueError(f"--qsa-kv-offload needs a page size that is a multiple of the QSA block ratio "
+                             f"({ratio}), got {store.page['qsa_k'].shape[1]}")
         if has_qsa and self.paged_qsa and store.page["qsa_k"].shape[1] % ratio == 0:  # blocks within pages
             stack_state["qsa_pages"] = PagedKV(store.page["qsa_k"], store.page["qsa_v"], store.page["qsa_index"],
                                                store.page["qsa_block_keys"], batch.page_table, wvalid, 0,
-                                               self.qsa_score_elements)
+                                               self.qsa_score_elements, self.qsa_kv_offload)
         elif has_qsa:
             stack_state |= {name: dense(page) for name, page in _PAGES.items()}
 

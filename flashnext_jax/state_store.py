@@ -40,12 +40,14 @@ INT_POISON = -(2**31) + 7  # sentinel for integer leaves: every legitimate value
 class Leaf:
     """One state tensor: per-slot (or per-token for pages) shape, dtype, initial value and poison value. A page leaf
     may hold one entry per `tokens_per_row` tokens (the QSA indexer's block keys: one per block of 4 tokens), so
-    its pages have page_size / tokens_per_row rows."""
+    its pages have page_size / tokens_per_row rows, and may live in pinned host memory (`memory_kind`; the
+    offloaded QSA K/V, qsa_offload.py: steps and store ops move single pages of it, never gather or scatter)."""
 
     shape: tuple[int, ...]
     dtype: Any
     init: float | int = 0
     tokens_per_row: int = 1
+    memory_kind: str = "device"
 
     @property
     def poison(self):
@@ -106,9 +108,20 @@ def init_store(spec: StoreSpec, dims: StoreDims) -> StateStore:
                              f"a multiple of {l.tokens_per_row}, got {dims.page_size}")
     page = {n: jnp.full((dims.num_pages + 1, dims.page_size // l.tokens_per_row, *l.shape), l.poison, l.dtype)
             for n, l in spec.page.items()}
+    page = {n: jax.device_put(a, jax.memory.Space.Host) if spec.page[n].memory_kind != "device" else a
+            for n, a in page.items()}
     snap = {n: jnp.full((dims.num_snaps + 1, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
     return StateStore(slot=slot, cursor=jnp.zeros((dims.num_slots + 1,), jnp.int32),
                       gen=jnp.zeros((dims.num_slots + 1,), jnp.int32), page=page, snap=snap)
+
+
+def store_shardings(spec: StoreSpec, sharding: jax.sharding.Sharding) -> StateStore:
+    """Where each leaf of a store of `spec` lives: `sharding`, in its memory kind for the page leaves that name
+    one other than the device's."""
+    page = {n: sharding if l.memory_kind == "device" else sharding.with_memory_kind(l.memory_kind)
+            for n, l in spec.page.items()}
+    return StateStore(slot={n: sharding for n in spec.slot}, cursor=sharding, gen=sharding, page=page,
+                      snap={n: sharding for n in spec.slot})
 
 
 # ------------------------------------------------------------------------- in-step helpers (used by model steps)
@@ -274,21 +287,46 @@ def _op_poison_slots(store: StateStore, a):  # (slot, gen): poison and bump the 
     return dataclasses.replace(store, slot=new, gen=store.gen.at[d].add(1, mode="drop"))
 
 
+def _in_host_memory(arr) -> bool:
+    return jax.typeof(arr).memory_space == jax.memory.Space.Host
+
+
+def _set_host_pages(arr, dst, value):
+    """Page dst[i] of a host-memory pool := value(i, pool so far) (a page, in host memory), in order, one
+    dynamic_update_slice per page: XLA moves single slices between the memories, not gathers or scatters
+    (qsa_offload.py), and reading the pool being written keeps it in place. Rows to skip name the null page
+    (the pool's last) and must give it its own value."""
+    at = lambda i: (dst[i],) + (0,) * (arr.ndim - 1)  # noqa: E731
+    return jax.lax.fori_loop(0, dst.shape[0], lambda i, a: jax.lax.dynamic_update_slice(a, value(i, a), at(i)), arr)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _op_copy_pages(store: StateStore, a):  # (src page, dst page)
     src, dst = a[:, 0], a[:, 1]
     ok = (src >= 0) & (dst >= 0)
     d = _oob(dst, ok, store.num_pages + 1)
     s = jnp.clip(src, 0, store.num_pages)
-    return dataclasses.replace(store, page={n: arr.at[d].set(arr[s], mode="drop") for n, arr in store.page.items()})
+
+    def copy(arr):
+        if not _in_host_memory(arr):
+            return arr.at[d].set(arr[s], mode="drop")
+        null = store.num_pages  # skipped rows copy the null page onto itself
+        hd, hs = jnp.where(ok, dst, null), jnp.where(ok, src, null)
+        return _set_host_pages(arr, hd, lambda i, pool: jax.lax.dynamic_slice_in_dim(pool, hs[i], 1))
+    return dataclasses.replace(store, page={n: copy(arr) for n, arr in store.page.items()})
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _op_poison_pages(store: StateStore, a):  # (page,)
     d = _oob(a[:, 0], a[:, 0] >= 0, store.num_pages + 1)
-    return dataclasses.replace(store, page={
-        n: arr.at[d].set(jnp.full(arr.shape[1:], _poison_of(arr.dtype), arr.dtype), mode="drop")
-        for n, arr in store.page.items()})
+
+    def poison(arr):
+        page = jnp.full(arr.shape[1:], _poison_of(arr.dtype), arr.dtype)
+        if not _in_host_memory(arr):
+            return arr.at[d].set(page, mode="drop")
+        host_page = jax.device_put(page[None], jax.memory.Space.Host)  # skipped rows poison the null page again
+        return _set_host_pages(arr, jnp.minimum(d, store.num_pages), lambda i, pool: host_page)
+    return dataclasses.replace(store, page={n: poison(arr) for n, arr in store.page.items()})
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -377,7 +415,7 @@ class StoreLedger:
         # built on its devices (a stage's own: never the whole model's state on one device first) and committed
         # there, as every store a step returns: a store op first run on an uncommitted store would compile again
         # for the step's output (tests/test_prefill_buckets.py, the warm-up)
-        stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=sh)()
+        stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=store_shardings(sp, sh))()
                        for sp, sh in zip(specs, shardings, strict=True))
         self.store = stores if self.staged else stores[0]
         self._inits = tuple(tuple((n, l.init) for n, l in sp.slot.items()) for sp in specs)

@@ -34,6 +34,13 @@ def add_compilation_cache_flag(p) -> None:
                         "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flashnext/jax; 'off' disables it")
 
 
+def add_qsa_kv_offload_flag(p) -> None:
+    p.add_argument("--qsa-kv-offload", action="store_true",
+                   help="keep the QSA layers' K/V pages in pinned host memory and fetch only the blocks the indexer "
+                        "selects (for GPUs too small for the context's K/V; costs time per step: "
+                        "docs/long-context.md)")
+
+
 def add_serve_parser(sub, parents=()) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", parents=list(parents),
                        formatter_class=HelpWithDefaults)
@@ -89,6 +96,7 @@ def add_serve_parser(sub, parents=()) -> None:
                    help="pixels of one image as decoded, before the processor resizes it; larger images are a 400 "
                         "(default: Pillow's decompression-bomb threshold, 89,478,485; not a vLLM flag)")
     add_pipeline_arguments(p)
+    add_qsa_kv_offload_flag(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
 
@@ -207,7 +215,7 @@ def serve(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
               precompile_sampling=[default_sampling(defaults)], limit_mm_per_prompt=args.limit_mm_per_prompt,
               allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels,
-              batch_invariant=args.batch_invariant, **pipeline_kwargs(args),
+              batch_invariant=args.batch_invariant, qsa_kv_offload=args.qsa_kv_offload, **pipeline_kwargs(args),
               **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:
         if llm.tokenizer is None:
