@@ -26,6 +26,7 @@ from .step_cache import StepCache
 from .page_pool import device_memory, size_pool
 from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
                               sample_tokens)
+from .multihost import Agreement
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
@@ -424,7 +425,11 @@ class Engine:
             cfg = dataclasses.replace(cfg, prefill_buckets=tuple(
                 b for b in default_prefill_buckets(cfg.max_num_batched_tokens) if b > self._decode_tokens) or None)
         _check_prefill_buckets(cfg.prefill_buckets, self._decode_tokens, cfg.max_num_batched_tokens)
+        # stages in several processes (multihost.py): every process runs this loop, checked each step
+        self._peers = Agreement() if getattr(runner, "multiprocess", False) else None
         pages = cfg.num_pages or self._size_pool(runner.store_spec(), cfg, slots, mml)
+        if self._peers is not None:  # one pool size for all: the stores' shapes are in every step's key
+            pages = self._peers.smallest(pages)
         self.cfg = dataclasses.replace(cfg, max_model_len=mml, num_pages=pages, num_slots=slots)
         self.max_pages_per_row = _bucket(mp)
         if cfg.page_table_width not in ("auto", "bucket", "max"):
@@ -434,6 +439,8 @@ class Engine:
         self.ledger = StoreLedger(runner.store_spec(), StoreDims(slots, pages, cfg.page_size, cfg.num_snapshots,
                                                                  self.K1), debug=cfg.debug,
                                   min_capacity=cfg.min_pool_capacity, shardings=getattr(runner, "shardings", None))
+        if self._peers is not None:
+            self.ledger.track_ops()
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets,
@@ -442,8 +449,9 @@ class Engine:
         self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant)
         self._steps.set_limit(cfg.max_compiled_steps)
         self._samplers.set_limit(cfg.max_compiled_samplers)
-        # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
-        self._placement = getattr(runner, "shardings", (None,))[-1]
+        # where a step's logits are (a pipeline's last stage; with stages in several processes, this process's copy
+        # of its outputs): the samplers' inputs go there
+        self._placement = getattr(runner, "output_sharding", None)
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
         self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
@@ -681,6 +689,8 @@ class Engine:
             return self._step_inner()
         except BaseException as e:  # engine fault: fail every in-flight request visibly
             self._fail_all(e)
+            if self._peers is not None:  # and the other processes' engines with it
+                self._peers.failed(e)
             raise
 
     def _step_inner(self) -> list[Request]:
@@ -695,8 +705,12 @@ class Engine:
             targets = self._prompt_targets(ticket)
             key = StepKey(ticket.batch_size, ticket.num_tokens, batch.page_table_width, targets is not None,
                           self._store_key, "image_rows" in batch.host)
+            if self._peers is not None:  # the same ticket and store ops as process 0's, or every process stops
+                self._peers.agree(self.step_id, ticket, self.ledger.op_digest())
             store, out = self._launch_model_step(key, (self.runner.params, self.ledger.store, batch, targets))
             self.ledger.store = store
+            if self._peers is not None:
+                self._peers.launched()
             out |= self._choose_tokens(ticket, out)
             self.pending.append((ticket, out))
             self.counters["steps"] += 1

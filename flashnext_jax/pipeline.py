@@ -10,6 +10,10 @@ state to stage s + 1's sharding. JAX dispatch is asynchronous, so the host loop 
 micro-batch while the devices work: with `pipeline_delay = stages - 1` up to `stages` micro-batches are in flight,
 each with its own ticket, committed once on the host (the accepted-draft count reaches every stage through the
 ledger's queued cursor op, never through a table or a batch row).
+
+Stages may sit on the devices of several processes, one per host (multihost.py): each process runs the stages it
+holds, hands the hidden state to another process's stage through a collective, and gets the last stage's outputs
+the same way; the stages it does not hold are only their types here.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pallas_kernels import fixed_order
 
 from .compile_ahead import abstract
 from .engine import PackedBatch, model_step
-from .stages import StagePlan
+from .multihost import owned, send
+from .stages import StagePlan, StagePlanError
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +51,28 @@ class PipelineRunner:
         self.num_stages = plan.size
         self.batch_invariant = batch_invariant
         self.shardings = tuple(st.sharding for st in plan.stages)
-        self.params = tuple(jax.device_put(runner.stage_params(st.layers), st.sharding) for st in plan.stages)
+        # stages on other processes' devices (multihost.py): this process holds only their types
+        self.local = tuple(owned(st.devices) for st in plan.stages)
+        self.multiprocess = jax.process_count() > 1
+        self.params = tuple(jax.device_put(runner.stage_params(st.layers), st.sharding) if here else
+                            _placed(runner.stage_params(st.layers), st.sharding)
+                            for st, here in zip(plan.stages, self.local))
+        # where the engine finds a step's outputs (its samplers run there): the last stage, or with several
+        # processes each process's own device that the last stage's outputs are sent to
+        self.output_devices = _output_devices(plan) if self.multiprocess else ()
+        self.output_sharding = self.shardings[-1] if not self.multiprocess else jax.sharding.SingleDeviceSharding(
+            next(d for d in self.output_devices if d.process_index == jax.process_index()))
         self.shapes_seen: set = set()
         self.bytes_between_stages = 0  # hidden states sent from a stage to the next (device_put payloads)
         self.timeline = StageTimeline(plan.size) if profile else None
         self._steps = None
-        self._jits = []
+        self._fns, self._jits = [], []
         for st in plan.stages:
             fn = _StageFn(runner, st.layers)
             if st.index == plan.size - 1:  # the engine's sampler runs after it, on the same devices
                 fn = model_step(fn, getattr(runner, "logits", None))
             options = fixed_order.compiler_options(batch_invariant)
+            self._fns.append(fn)
             self._jits.append(jax.jit(fn, donate_argnums=(1,), compiler_options=options))
 
     # ---- the ModelRunner protocol
@@ -80,24 +96,33 @@ class PipelineRunner:
     def compile_programs(self, args: tuple) -> "StagePrograms":
         """Compile every stage's program for the engine's step arguments `args` = (params, stores, batch,
         prompt_targets), arrays or their types (compile_ahead.abstract), without running anything: stage s's
-        hidden-state input is stage s-1's compiled output type placed on stage s's devices, as `_launch` passes it."""
+        hidden-state input is stage s-1's compiled output type placed on stage s's devices, as `_launch` passes it.
+        A stage on another process's devices is not compiled here, only traced for its output types."""
         params, stores, batch, targets = args
-        x, programs, store_types, last = None, [], [], self.plan.size - 1
+        x, programs, store_types, hidden, last = None, [], [], [], self.plan.size - 1
         with fixed_order.batch_invariant(self.batch_invariant):
             for st, p, store, jitted in zip(self.plan.stages, params, stores, self._jits, strict=True):
                 b = _placed(self._stage_batch(batch, st), st.sharding)
+                x = None if x is None else _placed(x, st.sharding)
                 if st.index == last:
                     pt = None if targets is None else _placed(targets, st.sharding)
-                    lowered = jitted.lower(p, store, b, pt, x)
+                    stage_args = (p, store, b, pt, x)
                 else:
-                    lowered = jitted.lower(p, store, b, x)
-                compiled = lowered.compile(fixed_order.compiler_options(self.batch_invariant))
+                    stage_args = (p, store, b, x)
+                if self.local[st.index]:
+                    compiled = jitted.lower(*stage_args).compile(fixed_order.compiler_options(self.batch_invariant))
+                    store_type, out = compiled.out_info
+                else:
+                    compiled, (_, out) = None, jax.eval_shape(self._fns[st.index], *stage_args)
+                    store_type = store
                 programs.append(compiled)
-                store_type, out = compiled.out_info
                 store_types.append(store_type)
                 if st.index != last:
-                    x = _placed(out, self.shardings[st.index + 1])
-        return StagePrograms(tuple(programs), (tuple(store_types), out))
+                    x = out
+                    hidden.append(out)
+        if self.multiprocess:  # the outputs the engine reads are the copies sent to this process's device
+            out = _placed(out, self.output_sharding)
+        return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hidden))
 
     def _stage_batch(self, batch, st):
         """The batch a stage takes: only the host-gathered inputs it reads (PLE rows: the PLE layers' stage)."""
@@ -105,22 +130,40 @@ class PipelineRunner:
         return dataclasses.replace(batch, host={n: batch.host[n] for n in names})
 
     def _launch(self, params, stores, batch, prompt_targets, programs):
-        x, new, last = None, [], self.plan.size - 1
+        x, out, new, last = None, None, [], self.plan.size - 1
         for st, p, store, fn in zip(self.plan.stages, params, stores, programs.stages, strict=True):
-            b = jax.device_put(self._stage_batch(batch, st), st.sharding)
-            if st.index == last:
-                pt = None if prompt_targets is None else jax.device_put(prompt_targets, st.sharding)
-                store, out = fn(p, store, b, pt, x)
-            else:
-                store, x = fn(p, store, b, x)
-                if self.timeline is not None:
-                    self.timeline.launched(st.index, x)
-                x = jax.device_put(x, self.shardings[st.index + 1])
-                self.bytes_between_stages += x.nbytes
+            if self.local[st.index]:
+                b = jax.device_put(self._stage_batch(batch, st), st.sharding)
+                if st.index == last:
+                    pt = None if prompt_targets is None else jax.device_put(prompt_targets, st.sharding)
+                    store, out = fn(p, store, b, pt, x)
+                else:
+                    store, x = fn(p, store, b, x)
+                    if self.timeline is not None:
+                        self.timeline.launched(st.index, x)
+            if st.index != last:
+                x = self._hand_over(x, st.index, programs.hidden[st.index])
             new.append(store)
-        if self.timeline is not None:
+        if self.timeline is not None and self.local[last]:
             self.timeline.launched(last, out["logits"])
+        if self.multiprocess:  # every process's host loop commits from the same outputs
+            src = self.output_devices.index(self.plan.stages[last].devices[0])
+            out = send(out, programs.out_info[1], self.output_devices, src)
         return tuple(new), out
+
+    def _hand_over(self, x, s: int, like):
+        """Stage s's hidden state to stage s + 1's devices: a device_put within a process; across processes the
+        collective `multihost.send`, which both processes call (the receiver contributing zeros of type `like`);
+        None in a process holding neither stage."""
+        here, there = self.local[s], self.local[s + 1]
+        if here:
+            self.bytes_between_stages += sum(a.nbytes for a in jax.tree.leaves(x))
+        if here and there:
+            return jax.device_put(x, self.shardings[s + 1])
+        if not (here or there):
+            return None
+        y = send(x, like, (self.plan.stages[s].devices[0], self.plan.stages[s + 1].devices[0]), 0)
+        return jax.device_put(y, self.shardings[s + 1]) if there else None
 
     def step(self, params, store, batch):
         raise TypeError("a PipelineRunner runs through pipeline_step (one jitted step per stage)")
@@ -143,12 +186,26 @@ class _StageFn:
 
 
 class StagePrograms(NamedTuple):
-    """One step shape's compiled executables, one per stage, and the types of what the step returns: out_info =
-    (the stages' stores, the last stage's outputs), as a compiled single program's `out_info` (the engine compiles
-    its samplers for those logits)."""
+    """One step shape's compiled executables, one per stage (None: a stage of another process), and the types of
+    what the step returns: out_info = (the stages' stores, the last stage's outputs), as a compiled single
+    program's `out_info` (the engine compiles its samplers for those logits); `hidden`: each stage's hidden-state
+    output type but the last's (what a receiving process contributes zeros of)."""
 
     stages: tuple
     out_info: tuple
+    hidden: tuple = ()
+
+
+def _output_devices(plan: StagePlan) -> tuple:
+    """One device per process, in process order: the device of its last stage, or its first device if it holds
+    none. The last stage's outputs are sent to these (multihost.send)."""
+    per_process = {d.process_index: d for d in jax.devices()[::-1]}  # each process's first device
+    for st in plan.stages:
+        if len({d.process_index for d in st.devices}) != 1:
+            raise StagePlanError(f"stage {st.index}'s devices belong to several processes: a stage must be one "
+                                 "process's (one host's)")
+        per_process[st.devices[0].process_index] = st.devices[0]
+    return tuple(per_process[p] for p in sorted(per_process))
 
 
 def _placed(tree, sharding):

@@ -124,6 +124,13 @@ def store_shardings(spec: StoreSpec, sharding: jax.sharding.Sharding) -> StateSt
                       snap={n: sharding for n in spec.slot})
 
 
+def store_types(spec: StoreSpec, dims: StoreDims, sharding: jax.sharding.Sharding) -> StateStore:
+    """The types of init_store(spec, dims) placed as `store_shardings` places it, and no buffers: a pipeline stage
+    on another process's devices (multihost.py), whose store that process holds."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        jax.eval_shape(functools.partial(init_store, spec, dims)), store_shardings(spec, sharding))
+
+
 # ------------------------------------------------------------------------- in-step helpers (used by model steps)
 
 
@@ -337,6 +344,10 @@ def _op_poison_snaps(store: StateStore, a):  # (snap,)
         for n, arr in store.snap.items()})
 
 
+_OPS = {"capture": _op_capture, "cursor": _op_cursor, "poison_slot": _op_poison_slots, "copy_page": _op_copy_pages,
+        "poison_page": _op_poison_pages, "poison_snap": _op_poison_snaps}  # the ops of one array argument
+
+
 def _poison_of(dtype):
     return float("nan") if jnp.issubdtype(dtype, jnp.floating) else INT_POISON
 
@@ -415,8 +426,11 @@ class StoreLedger:
         # built on its devices (a stage's own: never the whole model's state on one device first) and committed
         # there, as every store a step returns: a store op first run on an uncommitted store would compile again
         # for the step's output (tests/test_prefill_buckets.py, the warm-up)
+        # a stage on another process's devices (multihost.py): only its store's types here, that process holds it
+        self.held = tuple(sh.is_fully_addressable for sh in shardings)
         stores = tuple(jax.jit(functools.partial(init_store, sp, pool), out_shardings=store_shardings(sp, sh))()
-                       for sp, sh in zip(specs, shardings, strict=True))
+                       if held else store_types(sp, pool, sh)
+                       for sp, sh, held in zip(specs, shardings, self.held, strict=True))
         self.store = stores if self.staged else stores[0]
         self._inits = tuple(tuple((n, l.init) for n, l in sp.slot.items()) for sp in specs)
         self.slots = [_SlotInfo() for _ in range(dims.num_slots)]
@@ -428,6 +442,15 @@ class StoreLedger:
         self.free_snaps: collections.deque[int] = collections.deque(range(dims.num_snaps))
         self._ops: list[tuple[str, tuple]] = []
         self.stats = collections.Counter()
+        self._applied = None  # digest of every op applied, once `track_ops` (processes compare it each step)
+
+    def track_ops(self):
+        """Keep a digest of every device op applied from now on (`op_digest`): with stages in several processes,
+        each process's ledger must apply the same ops in the same order, and they compare this each step."""
+        self._applied = hashlib.blake2b(digest_size=16)
+
+    def op_digest(self) -> bytes:
+        return b"" if self._applied is None else self._applied.digest()
 
     # ---- slots
     def num_free_slots(self) -> int:
@@ -630,15 +653,17 @@ class StoreLedger:
             n *= 2
 
     def _apply(self, kind: str, a: np.ndarray):
+        if self._applied is not None:
+            self._applied.update(kind.encode() + a.tobytes())
+
+        def one(st, inits):
+            if kind == "reset":
+                return _op_reset(st, jnp.asarray(a), inits)
+            if kind.startswith("set_slot:"):
+                return _op_set_slot(st, jnp.asarray(a), kind.split(":", 1)[1])
+            return _OPS[kind](st, jnp.asarray(a))
         stores = self.store if self.staged else (self.store,)
-        if kind == "reset":
-            stores = tuple(_op_reset(st, jnp.asarray(a), inits) for st, inits in zip(stores, self._inits))
-        elif kind.startswith("set_slot:"):
-            stores = tuple(_op_set_slot(st, jnp.asarray(a), kind.split(":", 1)[1]) for st in stores)
-        else:
-            fn = {"capture": _op_capture, "cursor": _op_cursor, "poison_slot": _op_poison_slots,
-                  "copy_page": _op_copy_pages, "poison_page": _op_poison_pages, "poison_snap": _op_poison_snaps}[kind]
-            stores = tuple(fn(st, jnp.asarray(a)) for st in stores)
+        stores = tuple(one(st, inits) if held else st for st, inits, held in zip(stores, self._inits, self.held))
         self.store = stores if self.staged else stores[0]
 
     def update(self, fn: Callable[[StateStore], StateStore]):

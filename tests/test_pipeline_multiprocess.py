@@ -1,6 +1,13 @@
-"""Beyond one host, as far as it goes (docs/pipeline.md): two processes on localhost (jax.distributed.initialize,
-gloo CPU collectives, loopback only), one CPU device each. A stage's hidden state crosses from process 0's device
-to process 1's through a jitted shard_map + ppermute over the 2-device global mesh, checked by value."""
+"""Beyond one host (docs/pipeline.md): two processes on localhost (jax.distributed.initialize, gloo CPU
+collectives, loopback only), one CPU device each.
+
+* The transport alone (tools/pp_two_process_probe.py): a stage's hidden state crosses from process 0's device to
+  process 1's through a jitted shard_map + ppermute over the 2-device global mesh, checked by value.
+* The engine (tests/pipeline_multiprocess_check.py): a PP=2 engine with stage 0 in process 0 and stage 1 in
+  process 1, the same host loop in each, equals the PP=1 engine and Model.generate token for token and PP=1 in
+  logits, with two concurrent requests of mixed lengths, MTP, prefix caching, chunked prefill and a sampled
+  request; an engine fault in one process, or processes that added different requests, stop both at once.
+"""
 
 import json
 import os
@@ -8,6 +15,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 
@@ -18,21 +27,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_pass_a_hidden_state_by_ppermute():
+def _two_processes(script: Path, timeout: int, env: dict | None = None) -> list[dict]:
+    """Run `script PROCESS PORT` as processes 0 and 1 at once -> each one's last JSON line. A process that dies
+    fails the test with its own error output; past `timeout` both are killed."""
     port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    extra, env = env or {}, dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tools" / "pp_two_process_probe.py"), str(i), port],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
+    env.update(extra)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=script.parent) for i in (0, 1)]
     try:
-        outs = [p.communicate(timeout=240) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{script.name}: the two processes did not finish within {timeout} s (killed)")
     finally:
         for p in procs:
             p.kill()
-    results = []
-    for (out, err), p in zip(outs, procs):
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    for i, ((out, err), p) in enumerate(zip(outs, procs)):
+        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-3000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_two_processes_pass_a_hidden_state_by_ppermute():
+    results = _two_processes(ROOT / "tools" / "pp_two_process_probe.py", 240)
     assert [r["process"] for r in results] == [0, 1]
     assert all(len(r["devices"]) == 2 and len(r["local"]) == 1 for r in results)
     assert all(r["ppermute"] == "ok" for r in results), results
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return _two_processes(ROOT / "tests" / "pipeline_multiprocess_check.py", 600,
+                          {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_pp_mp")})
+
+
+def test_each_process_holds_its_own_stage(engines):
+    p0, p1 = engines
+    assert (p0["devices"], p0["local"], p1["devices"], p1["local"]) == (2, 1, 2, 1)
+    assert p0["pp2"]["held"] == [True, False] and p1["pp2"]["held"] == [False, True]
+    assert p0["pp2"]["store_devices"] == p0["pp2"]["param_devices"] == [[0], [2048]]
+    assert p0["pp2"]["gdn_layers_per_stage"] == [4, 2]
+    assert p0["pp2"]["bytes_between_stages"] > 0 and p1["pp2"]["bytes_between_stages"] == 0  # stage 0 sends
+
+
+def test_two_process_pipeline_tokens_equal_one_process(engines):
+    p0, p1 = engines
+    for key in ("tokens", "again", "sampled"):
+        assert p0["pp2"][key] == p1["pp2"][key] == p0["pp1"][key], key
+    assert p0["pp2"]["tokens"] == p0["solo"]
+    assert p0["pp2"]["prefix_hits"] > 0 and p0["pp2"]["counters"]["drafts"] > 0
+
+
+def test_two_process_pipeline_logits_equal_one_process(engines):
+    d = engines[0]["logit_diff"]
+    assert d["positions"] >= 20 and d["max_abs"] < 1e-4, d
+
+
+def test_a_fault_in_one_process_stops_both(engines):
+    p0, p1 = engines
+    assert p1["fault"]["error"] == "RuntimeError: injected fault in process 1's commit"
+    assert p0["fault"]["error"].startswith("PeerFailed: process 1's engine step failed")
+    for p in engines:
+        assert p["fault"]["seconds"] < 30 and p["fault"]["finish_reasons"] == ["error"]
+
+
+def test_processes_that_added_other_requests_both_stop(engines):
+    for p in engines:
+        assert p["diverge"]["error"].startswith("Diverged: process 1's decisions differ from process 0's")
+        assert p["diverge"]["finish_reasons"] == ["error"]

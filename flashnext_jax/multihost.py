@@ -1,0 +1,153 @@
+"""Pipeline stages on the devices of several processes, one per host (docs/pipeline.md, "Beyond one host").
+
+Every process runs the same host loop (scheduler, ledger, tickets) over the same requests, added in the same order.
+That loop is deterministic given its inputs, and the one input that lives in a single process, the last stage's
+outputs, is sent to every process each step; so every process makes the same decisions and each process's ledger
+applies the same ops, in the same order, to the stores it holds (invariant 10 of ../shared/docs/state-store.md).
+Nothing but jitted collectives crosses a process boundary (gloo on the CPU; no RPC, no sockets of our own):
+
+* `send`: a stage's hidden state to the next stage, and the last stage's outputs to every process; a process that
+  does not hold the data contributes zeros of its known type;
+* `Agreement`: once per step, process 0's decisions (a digest of every ticket and every store op so far) against
+  which every process checks its own; a process whose step failed says so there, and every process raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300,
+               heartbeat_timeout_s: int = 30) -> None:
+    """jax.distributed.initialize with the CPU's cross-process collectives (gloo) switched on; call it in every
+    process before anything else touches JAX. A short heartbeat timeout: a process whose peer died is ended by the
+    coordination service within that time instead of waiting in a collective (its default is 100 s)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def add_process_arguments(parser) -> None:
+    """`flashnext generate` in each of several processes (one per host), stages over all of their devices."""
+    parser.add_argument("--coordinator-address", metavar="HOST:PORT",
+                        help="process 0's address: run one process per host, each with its --process-id "
+                             "(docs/pipeline.md, Beyond one host)")
+    parser.add_argument("--num-processes", type=int, default=1, help="processes taking part")
+    parser.add_argument("--process-id", type=int, default=0, help="this process's index, 0 .. num-processes - 1")
+
+
+def initialize_from(args) -> None:
+    """initialize() from add_process_arguments' options, when a coordinator is given."""
+    if args.coordinator_address:
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def owned(devices) -> bool:
+    """Whether this process can address every one of `devices` (a stage must be one process's)."""
+    return all(d.process_index == jax.process_index() for d in devices)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather(devices: tuple, src: int):
+    """The jitted collective of `send`: each device's block in, the block of devices[src] out on every device."""
+    mesh = Mesh(np.array(devices), ("p",))
+
+    def body(tree):
+        return jax.tree.map(lambda b: jax.lax.all_gather(b, "p", tiled=True)[src: src + 1], tree)
+    spec = PartitionSpec("p")
+    return NamedSharding(mesh, spec), jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def send(tree, like, devices: tuple, src: int):
+    """`tree` (arrays on devices[src], in the process holding it) to every process holding one of `devices` (one
+    device each, one per process): returns this process's copy on its device of `devices`. Every one of those
+    processes calls it at the same point of its host loop; the others pass tree=None and contribute zeros of
+    `like` (the arrays' types). Booleans cross as uint8 (gloo gathers no predicates). Dispatch is asynchronous, as
+    any jitted call."""
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if len(mine) != 1:
+        raise ValueError(f"send: process {jax.process_index()} holds {len(mine)} of {devices}, expected one")
+    dev = devices[mine[0]]
+    sharding, program = _gather(tuple(devices), src)
+    leaves, treedef = jax.tree.flatten(like)
+    given = jax.tree.leaves(tree) if mine[0] == src else [None] * len(leaves)
+    blocks = []
+    for x, t in zip(given, leaves, strict=True):
+        dtype = jnp.uint8 if t.dtype == jnp.bool_ else t.dtype
+        x = jnp.zeros(t.shape, dtype, device=dev) if x is None else jax.device_put(x.astype(dtype), dev)
+        blocks.append(jax.make_array_from_single_device_arrays((len(devices), *t.shape), sharding, [x[None]]))
+    out = program(blocks)
+    return treedef.unflatten([o.addressable_shards[0].data[0].astype(t.dtype) for o, t in zip(out, leaves)])
+
+
+class PeerFailed(RuntimeError):
+    """Another process's engine step failed (its own error is in its own output)."""
+
+
+class Diverged(RuntimeError):
+    """Another process made other decisions than process 0: the processes did not add the same requests in the
+    same order, or their host loops differ."""
+
+
+@dataclasses.dataclass
+class Agreement:
+    """Once per engine step, every process's digest of its decisions so far (each step's ticket, each store op its
+    ledger applied) beside process 0's, and whether its step failed: all-gathered, so every process sees the same
+    and they all raise together. A failure is told only at a step boundary (`safe`): between the agreement and
+    the end of a launch the peers wait in the step's own collectives, where a failing process can only leave
+    (they then see its connection close, or the coordination service ends them after the heartbeat timeout)."""
+
+    decisions: "hashlib._Hash" = dataclasses.field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+    safe: bool = True
+    told: bool = False
+
+    def agree(self, step_id: int, ticket, op_digest: bytes):
+        self.decisions.update(repr((step_id, ticket)).encode() + op_digest)
+        self._gather(False)
+        self.safe = False  # the step's collectives follow
+
+    def launched(self):
+        self.safe = True
+
+    def failed(self, error: BaseException):
+        """Tell the peers this process's step failed (once, and only at a step boundary)."""
+        if self.told or not self.safe or isinstance(error, (PeerFailed, Diverged)):
+            return
+        self.told = True
+        try:
+            self._gather(True)
+        except Exception as e:  # noqa: BLE001 - the peers may be gone already; the original error is what matters
+            log.warning("could not tell the other processes of this failure: %s", e)
+
+    def _gather(self, failed: bool):
+        mine = np.frombuffer(self.decisions.digest(), np.int32)
+        rows = multihost_utils.process_allgather(np.concatenate([[int(failed)], mine]).astype(np.int32))
+        me = jax.process_index()
+        bad = [p for p in range(len(rows)) if rows[p, 0] and p != me]
+        if bad and not failed:
+            self.told = True
+            raise PeerFailed(f"process {bad[0]}'s engine step failed (its error is in its own output)")
+        apart = [p for p in range(len(rows)) if not np.array_equal(rows[p, 1:], rows[0, 1:])]
+        if apart and not failed:
+            self.told = True
+            raise Diverged(f"process {apart[0]}'s decisions differ from process 0's: every process must add the same "
+                           "requests with the same parameters, in the same order")
+
+    def smallest(self, value: int) -> int:
+        """The least of every process's `value` (the page pool: sized from each process's memory, used by all)."""
+        return int(np.min(multihost_utils.process_allgather(np.asarray([value], np.int64))))
+
+
+__all__ = ["Agreement", "Diverged", "PeerFailed", "add_process_arguments", "initialize", "initialize_from", "owned",
+           "send"]

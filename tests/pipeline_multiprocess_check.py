@@ -1,0 +1,67 @@
+"""Run by tests/test_pipeline_multiprocess.py once per process: 2 processes on localhost, one CPU device each
+(multihost.initialize: jax.distributed with gloo collectives). Usage: pipeline_multiprocess_check.py PROCESS PORT.
+
+The PP=2 engine (stage 0 in process 0, stage 1 in process 1) runs pipeline_runs.run in both processes, as a user
+runs `LLM(..., pipeline_parallel_size=2)` in each; process 0 then runs the oracles alone (PP=1, Model.generate).
+Then the two ways such an engine must stop, in both processes at once: a fault in one process's step (process 1's
+third commit raises) and processes that added different requests. Prints one JSON line; asserts nothing itself."""
+
+import faulthandler
+import json
+import sys
+import time
+
+import jax
+
+import flashnext_jax as fj
+from flashnext_jax import multihost
+from flashnext_jax.engine import Engine
+from flashnext_jax.sampling import SamplingParams
+from pipeline_runs import PROMPTS, logit_diff, run
+
+
+def stops_together(lm, pid: int, how: str) -> dict:
+    """A fresh engine over the same stages; "fault": process 1's third commit raises; "diverge": process 1 adds the
+    requests in the other order. -> what this process's engine raised, and after how long."""
+    engine = Engine(lm.runner, lm.engine.cfg)
+    prompts = PROMPTS[::-1] if how == "diverge" and pid == 1 else PROMPTS
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{how}{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    if how == "fault" and pid == 1:
+        commit, calls = engine._commit, []
+
+        def failing(ticket, out):
+            calls.append(ticket.step_id)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault in process 1's commit")
+            return commit(ticket, out)
+        engine._commit = failing
+    t0 = time.perf_counter()
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    except Exception as e:  # noqa: BLE001 - reported for the test to judge
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0,
+                "finish_reasons": sorted({r.finish_reason for r in engine.requests.values()})}
+    return {"error": None}
+
+
+def main(pid: int, port: int):
+    multihost.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=120, heartbeat_timeout_s=30)
+    faulthandler.dump_traceback_later(480, exit=True)  # a hang shows where, before the test's 600 s kill
+    res = {"process": pid, "devices": len(jax.devices()), "local": len(jax.local_devices())}
+    t0 = time.perf_counter()
+    res["pp2"], logits2, lm = run(None, 2)
+    res["pp2_seconds"] = time.perf_counter() - t0
+    res["fault"] = stops_together(lm, pid, "fault")
+    res["diverge"] = stops_together(lm, pid, "diverge")
+    if pid == 0:  # the oracles, in this process alone (its own device)
+        model = fj.load(dtype="float32")
+        res["pp1"], logits1, _ = run(model, 1)
+        res["logit_diff"] = logit_diff(logits1, logits2)
+        res["solo"] = [model.generate(p, 10) for p in PROMPTS]
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
