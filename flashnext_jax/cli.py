@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from . import multihost
 from .stages import add_pipeline_arguments, pipeline_kwargs
 
 
@@ -38,6 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=not args.stop_at_eos)
     k = args.num_speculative_tokens
+    multihost.initialize_from(args)  # before anything touches JAX
     configure_compilation_cache(args.compilation_cache)
     # one prompt, one context: no background compiles of wider page tables it may never reach (and no wait at
     # exit for one)
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     add_pipeline_arguments(gen)
+    multihost.add_process_arguments(gen)
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="MTP draft tokens per step (0 = off); greedy output is unchanged by it, sampled output keeps "
                           "its distribution")

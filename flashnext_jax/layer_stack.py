@@ -154,11 +154,11 @@ def build_stacked_on_host(build: Callable[[], dict], device=None) -> dict:
     return numpy leaves, which numpy concatenates and stacks (a first version that kept jax CPU arrays took 198 s
     for the real-size random weights on the H200, against 41 s stacking on the device); it may draw arrays
     elsewhere (random weights on the GPU) if it moves each to the host right away (`to_host`)."""
-    with jax.default_device(jax.devices("cpu")[0]):  # a stray jnp op in `build` stays on the host too
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # a stray jnp op in `build` stays on the host too
         params = with_stacked_layers(build(), free_sources=True)
     if device == "host":
         return params
-    params = jax.device_put(params, device or jax.devices()[0])
+    params = jax.device_put(params, device or jax.local_devices()[0])  # this process's default device
     jax.block_until_ready(params)
     return params
 

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,9 @@ def send(tree, like, devices: tuple, src: int):
     """`tree` (arrays on devices[src], in the process holding it) to every process holding one of `devices` (one
     device each, one per process): returns this process's copy on its device of `devices`. Every one of those
     processes calls it at the same point of its host loop; the others pass tree=None and contribute zeros of
-    `like` (the arrays' types). Booleans cross as uint8 (gloo gathers no predicates). Dispatch is asynchronous, as
-    any jitted call."""
+    `like` (the arrays' types). Booleans cross as uint8; empty arrays do not cross (zeros of their shape here: an
+    all_gather of one crashed XLA's CPU compiler, a model without MTP has draft logits [B, K1, 0, V]). Dispatch is
+    asynchronous, as any jitted call."""
     mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
     if len(mine) != 1:
         raise ValueError(f"send: process {jax.process_index()} holds {len(mine)} of {devices}, expected one")
@@ -82,13 +84,17 @@ def send(tree, like, devices: tuple, src: int):
     sharding, program = _gather(tuple(devices), src)
     leaves, treedef = jax.tree.flatten(like)
     given = jax.tree.leaves(tree) if mine[0] == src else [None] * len(leaves)
+    out = [jnp.zeros(t.shape, t.dtype, device=dev) for t in leaves]
+    crossing = [i for i, t in enumerate(leaves) if math.prod(t.shape)]
     blocks = []
-    for x, t in zip(given, leaves, strict=True):
+    for i in crossing:
+        t, x = leaves[i], given[i]
         dtype = jnp.uint8 if t.dtype == jnp.bool_ else t.dtype
-        x = jnp.zeros(t.shape, dtype, device=dev) if x is None else jax.device_put(x.astype(dtype), dev)
+        x = out[i].astype(dtype) if x is None else jax.device_put(x.astype(dtype), dev)
         blocks.append(jax.make_array_from_single_device_arrays((len(devices), *t.shape), sharding, [x[None]]))
-    out = program(blocks)
-    return treedef.unflatten([o.addressable_shards[0].data[0].astype(t.dtype) for o, t in zip(out, leaves)])
+    for i, o in zip(crossing, program(blocks)):
+        out[i] = o.addressable_shards[0].data[0].astype(leaves[i].dtype)
+    return treedef.unflatten(out)
 
 
 class PeerFailed(RuntimeError):

@@ -45,7 +45,7 @@ def device_memory(device=None) -> tuple[int, int] | None:
     """(bytes_limit, bytes_in_use) of the device, or None where it reports no statistics (the CPU)."""
     import jax
 
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # this process's (jax.devices() lists every process's)
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None

@@ -421,8 +421,8 @@ class StoreLedger:
             dims, num_slots=_bucket(max(dims.num_slots, min_capacity[0])),
             num_pages=round_pages_up(max(dims.num_pages, min_capacity[1])),
             num_snaps=_bucket(max(dims.num_snaps, min_capacity[2])))
-        if shardings is None:  # one store on the default device
-            shardings = (jax.sharding.SingleDeviceSharding(jax.devices()[0]),)
+        if shardings is None:  # one store on the default device (this process's first)
+            shardings = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),)
         # built on its devices (a stage's own: never the whole model's state on one device first) and committed
         # there, as every store a step returns: a store op first run on an uncommitted store would compile again
         # for the step's output (tests/test_prefill_buckets.py, the warm-up)

@@ -2,9 +2,10 @@
 (multihost.initialize: jax.distributed with gloo collectives). Usage: pipeline_multiprocess_check.py PROCESS PORT.
 
 The PP=2 engine (stage 0 in process 0, stage 1 in process 1) runs pipeline_runs.run in both processes, as a user
-runs `LLM(..., pipeline_parallel_size=2)` in each; process 0 then runs the oracles alone (PP=1, Model.generate).
-Then the two ways such an engine must stop, in both processes at once: a fault in one process's step (process 1's
-third commit raises) and processes that added different requests. Prints one JSON line; asserts nothing itself."""
+runs `LLM(..., pipeline_parallel_size=2)` in each. Then the two ways such an engine must stop, in both processes at
+once: a fault in one process's step (process 1's third commit raises) and processes that added different
+requests. Last, each process runs one oracle alone on its own device (process 0 the PP=1 engine, process 1
+Model.generate). Prints one JSON line; asserts nothing itself."""
 
 import faulthandler
 import json
@@ -55,10 +56,11 @@ def main(pid: int, port: int):
     res["pp2_seconds"] = time.perf_counter() - t0
     res["fault"] = stops_together(lm, pid, "fault")
     res["diverge"] = stops_together(lm, pid, "diverge")
-    if pid == 0:  # the oracles, in this process alone (its own device)
-        model = fj.load(dtype="float32")
-        res["pp1"], logits1, _ = run(model, 1)
-        res["logit_diff"] = logit_diff(logits1, logits2)
+    model = fj.load(dtype="float32")  # the oracles, each process one of them alone on its own device
+    if pid == 0:  # (only process 0 writes JAX's compilation cache: its programs compile once across runs)
+        res["pp1"], logits1, _ = run(model, 1, compile_ahead=False)
+        res["logit_diff"] = logit_diff(logits1, logits2)  # every process holds the last stage's logits
+    else:
         res["solo"] = [model.generate(p, 10) for p in PROMPTS]
     print(json.dumps(res), flush=True)
 

@@ -19,13 +19,13 @@ def _device_ids(tree) -> list[int]:
     return sorted({d.id for a in jax.tree.leaves(tree) for d in a.sharding.device_set})
 
 
-def run(model, pp):
+def run(model, pp, **engine_kwargs):
     if pp > 1:  # as LLM(path, pipeline_parallel_size=pp) loads: on the host, each stage's share to its device
         model = fj.load(dtype="float32", device="host")
     lm = fj.LLM(RealRunner(model, 1), speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                 max_num_seqs=2, max_num_batched_tokens=6, max_model_len=MAX_LEN, page_size=4, block_size=4,
                 enable_prefix_caching=True, permute_rows=11, min_batch_bucket=2, min_token_bucket=4,
-                pipeline_parallel_size=pp, pp_layer_partition=PARTITIONS[pp])
+                pipeline_parallel_size=pp, pp_layer_partition=PARTITIONS[pp], **engine_kwargs)
     logits = {}  # (request, absolute position) -> logits row: a function of the request's own tokens only
     commit = lm.engine._commit
 

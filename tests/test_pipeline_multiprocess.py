@@ -14,6 +14,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,40 +29,68 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(script: Path, timeout: int, env: dict | None = None) -> list[dict]:
-    """Run `script PROCESS PORT` as processes 0 and 1 at once -> each one's last JSON line. A process that dies
-    fails the test with its own error output; past `timeout` both are killed."""
+def _two_processes(command, timeout: int, env: dict | None = None) -> list[str]:
+    """Run command(process, port) as processes 0 and 1 at once -> their standard outputs. A process that exits
+    with an error fails the test at once with its own error output (the other is killed), as does a timeout."""
     port = str(_free_port())
     extra, env = env or {}, dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(extra)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=script.parent) for i in (0, 1)]
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in (0, 1)]  # never a full pipe
+    procs = [subprocess.Popen(command(i, port), stdout=out, stderr=err, text=True, env=env, cwd=ROOT / "tests")
+             for i, (out, err) in enumerate(logs)]
+    deadline = time.monotonic() + timeout
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{script.name}: the two processes did not finish within {timeout} s (killed)")
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs) and \
+                not any(p.poll() for p in procs):
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]  # None: still running
     finally:
         for p in procs:
             p.kill()
-    for i, ((out, err), p) in enumerate(zip(outs, procs)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-3000:]}"
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+            p.wait()
+    text = [[(f.seek(0), f.read())[1] for f in pair] for pair in logs]
+    for i, code in enumerate(codes):
+        assert code in (0, None), f"process {i} exited with {code}:\n{text[i][1][-3000:]}"
+    assert None not in codes, f"{command(0, port)[1:4]}: process(es) {[i for i, c in enumerate(codes) if c is None]}" \
+        f" still running after {timeout} s (killed)"
+    return [out for out, _ in text]
+
+
+def _script(path: Path):
+    """`python path PROCESS PORT` (its last output line a JSON object)."""
+    return lambda i, port: [sys.executable, str(path), str(i), port]
+
+
+def _last_json(outs: list[str]) -> list[dict]:
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
 def test_two_processes_pass_a_hidden_state_by_ppermute():
-    results = _two_processes(ROOT / "tools" / "pp_two_process_probe.py", 240)
+    results = _last_json(_two_processes(_script(ROOT / "tools" / "pp_two_process_probe.py"), 240))
     assert [r["process"] for r in results] == [0, 1]
     assert all(len(r["devices"]) == 2 and len(r["local"]) == 1 for r in results)
     assert all(r["ppermute"] == "ok" for r in results), results
 
 
+def test_generate_in_two_processes_prints_the_one_process_tokens():
+    """`flashnext generate --pipeline-parallel-size 2 --coordinator-address ... --process-id i` in each process
+    (no MTP: the draft logits are empty and do not cross) prints Model.generate's tokens in both."""
+    import flashnext_jax as fj
+
+    def generate(i, port):
+        return [sys.executable, "-m", "flashnext_jax.cli", "generate", "--token-ids", "5,9,2,7,1",
+                "--max-new-tokens", "6", "--dtype", "float32", "--pipeline-parallel-size", "2",
+                "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+    outs = _two_processes(generate, 400, {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_cli_mp")})
+    expected = f"output_token_ids: {fj.load(dtype='float32').generate([5, 9, 2, 7, 1], 6)}"
+    assert all(expected in out.splitlines() for out in outs), outs
+
+
 @pytest.fixture(scope="module")
 def engines():
-    return _two_processes(ROOT / "tests" / "pipeline_multiprocess_check.py", 600,
-                          {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_pp_mp")})
+    return _last_json(_two_processes(_script(ROOT / "tests" / "pipeline_multiprocess_check.py"), 600,
+                                     {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_pp_mp")}))
 
 
 def test_each_process_holds_its_own_stage(engines):
@@ -76,7 +106,7 @@ def test_two_process_pipeline_tokens_equal_one_process(engines):
     p0, p1 = engines
     for key in ("tokens", "again", "sampled"):
         assert p0["pp2"][key] == p1["pp2"][key] == p0["pp1"][key], key
-    assert p0["pp2"]["tokens"] == p0["solo"]
+    assert p0["pp2"]["tokens"] == p1["solo"]
     assert p0["pp2"]["prefix_hits"] > 0 and p0["pp2"]["counters"]["drafts"] > 0
 
 
