@@ -376,6 +376,7 @@ class _SlotInfo:
     owner: Any = None
     gen: int = 0
     inflight: int = 0
+    cursor: int = 0  # the column the device's cursor holds once the queued ops are applied (0 after a reset)
 
 
 @dataclasses.dataclass
@@ -463,7 +464,7 @@ class StoreLedger:
         s = self.free_slots.popleft()
         info = self.slots[s]
         assert info.owner is None and info.inflight == 0
-        info.owner, info.gen = owner, info.gen + 1  # odd while allocated, even while free
+        info.owner, info.gen, info.cursor = owner, info.gen + 1, 0  # gen odd while allocated, even while free
         ref = SlotRef(s, info.gen)
         self._ops.append(("reset", (s, info.gen, snapshot.snap_id if snapshot else -1)))
         return ref
@@ -506,8 +507,12 @@ class StoreLedger:
             self._ops.append((f"set_slot:{name}", (ref.slot, ref.gen, *np.asarray(v, np.int64).ravel().tolist())))
 
     def set_cursor(self, ref: SlotRef, col: int):
-        if self.check(ref):
+        """Queue the cursor move, unless the cursor already holds `col` (a plain decode step commits column 0 of
+        a slot already at 0: no device op, no dispatch, every step)."""
+        info = self.slots[ref.slot]
+        if self.check(ref) and info.cursor != col:
             self._ops.append(("cursor", (ref.slot, ref.gen, col)))
+            info.cursor = col
 
     # ---- pages
     def num_free_pages(self) -> int:

@@ -173,3 +173,30 @@ def test_ledger_ownership_is_disjoint(ops):
                 assert led.page_owner[p] == rid and led.page_refs[p] == 1
                 assert sum(p in q for q in owned.values()) == 1
     assert led.num_free_pages() + len({p for ps in owned.values() for p in ps}) == 6
+
+
+def test_cursor_moves_only_when_the_column_changes():
+    """set_cursor queues a device op only when the column differs from the cursor's (a plain decode step commits
+    the column its slot already has): the device cursor still follows every move, a reset puts it back at 0."""
+    led = ledger(slots=1)
+    a = led.allocate_slot("A")
+    led.flush()
+    led.set_cursor(a, 0)
+    assert led._ops == []
+    led.set_cursor(a, 1)
+    led.set_cursor(a, 1)
+    assert [op[0] for op in led._ops] == ["cursor"]
+    led.flush()
+    assert int(led.store.cursor[a.slot]) == 1
+    led.set_cursor(a, 0)
+    led.flush()
+    assert int(led.store.cursor[a.slot]) == 0
+    led.set_cursor(a, 1)
+    led.release_slot(a)
+    b = led.allocate_slot("B")  # the same slot again: reset to column 0, host and device
+    assert b.slot == a.slot
+    led.flush()
+    assert int(led.store.cursor[b.slot]) == 0
+    led.set_cursor(b, 1)
+    led.flush()
+    assert int(led.store.cursor[b.slot]) == 1
