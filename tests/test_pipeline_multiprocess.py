@@ -7,6 +7,7 @@ collectives, loopback only), one CPU device each.
   process 1, the same host loop in each, equals the PP=1 engine and Model.generate token for token and PP=1 in
   logits, with two concurrent requests of mixed lengths, MTP, prefix caching, chunked prefill and a sampled
   request; an engine fault in one process, or processes that added different requests, stop both at once.
+* The command line: `flashnext generate --coordinator-address ... --process-id i` in each process.
 """
 
 import json
