@@ -679,6 +679,12 @@ class Engine:
         else:
             del self.requests[request_id]
 
+    @property
+    def peers(self) -> Agreement | None:
+        """The other processes' engines, when the stages live in several (multihost.py; None in one process): a
+        server shares its inputs with them through it (serving/multiprocess.py)."""
+        return self._peers
+
     def has_unfinished(self) -> bool:
         return self.sched.has_work() or any(i is not None for i in self.pending)
 

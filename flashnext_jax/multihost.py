@@ -9,7 +9,9 @@ Nothing but jitted collectives crosses a process boundary (gloo on the CPU; no R
 * `send`: a stage's hidden state to the next stage, and the last stage's outputs to every process; a process that
   does not hold the data contributes zeros of its known type;
 * `Agreement`: once per step, process 0's decisions (a digest of every ticket and every store op so far) against
-  which every process checks its own; a process whose step failed says so there, and every process raises.
+  which every process checks its own; a process whose step failed says so there, and every process raises;
+* `Agreement.share`: process 0's bytes to every process at a step boundary (the server's new requests, aborts and
+  frees: serving/multiprocess.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, ti
 
 
 def add_process_arguments(parser) -> None:
-    """`flashnext generate` in each of several processes (one per host), stages over all of their devices."""
+    """`flashnext generate` / `serve` in each of several processes (one per host), stages over all of their
+    devices."""
     parser.add_argument("--coordinator-address", metavar="HOST:PORT",
                         help="process 0's address: run one process per host, each with its --process-id "
                              "(docs/pipeline.md, Beyond one host)")
@@ -136,19 +139,37 @@ class Agreement:
         except Exception as e:  # noqa: BLE001 - the peers may be gone already; the original error is what matters
             log.warning("could not tell the other processes of this failure: %s", e)
 
-    def _gather(self, failed: bool):
+    def share(self, data: bytes | None) -> bytes:
+        """Process 0's `data` to every process (the others pass None), called by every process at the same step
+        boundary. Its first collective is the agreement's own gather (which carries the length), so a peer that
+        failed and tells it there (`failed`) meets this process in the same collective: it raises PeerFailed here
+        instead of the two waiting in different collectives. The bytes then cross in one broadcast, padded to a
+        power of two (a few compiled shapes); nothing crosses when process 0 has nothing to say."""
+        if data is not None and jax.process_index() != 0:
+            raise ValueError("only process 0 shares its data; the other processes pass None")
+        size = int(self._gather(False, len(data or b""))[0, -1])
+        if not size:
+            return b""
+        block = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+        if data is not None:
+            block[:size] = np.frombuffer(data, np.uint8)
+        return np.asarray(multihost_utils.broadcast_one_to_all(block))[:size].tobytes()
+
+    def _gather(self, failed: bool, size: int = 0) -> np.ndarray:
+        """Every process's [failed, digest..., size] (size: the bytes `share` sends, process 0's counts)."""
         mine = np.frombuffer(self.decisions.digest(), np.int32)
-        rows = multihost_utils.process_allgather(np.concatenate([[int(failed)], mine]).astype(np.int32))
+        rows = multihost_utils.process_allgather(np.concatenate([[int(failed)], mine, [size]]).astype(np.int32))
         me = jax.process_index()
         bad = [p for p in range(len(rows)) if rows[p, 0] and p != me]
         if bad and not failed:
             self.told = True
             raise PeerFailed(f"process {bad[0]}'s engine step failed (its error is in its own output)")
-        apart = [p for p in range(len(rows)) if not np.array_equal(rows[p, 1:], rows[0, 1:])]
+        apart = [p for p in range(len(rows)) if not np.array_equal(rows[p, 1:-1], rows[0, 1:-1])]
         if apart and not failed:
             self.told = True
             raise Diverged(f"process {apart[0]}'s decisions differ from process 0's: every process must add the same "
                            "requests with the same parameters, in the same order")
+        return rows
 
     def smallest(self, value: int) -> int:
         """The least of every process's `value` (the page pool: sized from each process's memory, used by all)."""
