@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
+from flashnext_jax import multihost
 from flashnext_jax.stages import add_pipeline_arguments, pipeline_kwargs
 
 # vLLM's generation_config.json keys that become request defaults, by SamplingParams name
@@ -96,6 +98,7 @@ def add_serve_parser(sub, parents=()) -> None:
                    help="pixels of one image as decoded, before the processor resizes it; larger images are a 400 "
                         "(default: Pillow's decompression-bomb threshold, 89,478,485; not a vLLM flag)")
     add_pipeline_arguments(p)
+    multihost.add_process_arguments(p)
     add_qsa_kv_offload_flag(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
@@ -197,17 +200,20 @@ def _inject_fault_for_tests(llm) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import jax
     import uvicorn
 
     from flashnext_jax.api import DEMO_MODEL
     from flashnext_jax.llm import LLM
 
     from .app import create_app
+    from .multiprocess import Leader
 
     model_dir = Path(args.model) if args.model else DEMO_MODEL
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     defaults = generation_defaults(args.generation_config, model_dir)
+    multihost.initialize_from(args)  # before anything touches JAX
     configure_compilation_cache(args.compilation_cache)
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -222,9 +228,31 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template: this model has no tokenizer")
         llm.tokenizer.chat_template = _chat_template(args.chat_template)
     _inject_fault_for_tests(llm)
+    if jax.process_index() > 0:  # stages in several processes: only process 0 serves HTTP
+        return _follow(llm)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     app = create_app(llm, args.served_model_name or model_dir.name, exit_on_fault=True, api_key=api_key,
                      generation_defaults=defaults, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    leader = Leader(llm, app.state.server.fault) if jax.process_count() > 1 else None
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        if leader is not None:  # the other processes end with this one
+            leader.close()
+    return 0
+
+
+def _follow(llm) -> int:
+    """A process > 0 of a server over several processes: it steps with process 0 (serving/multiprocess.py) until
+    process 0 shuts down (exit 0) or a process fails (exit 1, at once: not through jax.distributed's exit barrier,
+    which would wait for a process 0 that may be gone)."""
+    from .multiprocess import follow
+
+    try:
+        done = follow(llm)
+    except Exception as e:  # noqa: BLE001 - reported, then the process ends
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    print(f"followed process 0: {json.dumps(done, sort_keys=True)}", flush=True)
     return 0
