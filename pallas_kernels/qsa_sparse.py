@@ -140,12 +140,13 @@ def _split_kernel(q_ref, page_ref, row_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n_splits):
     """One (row, query, kv head): the splits' partial softmaxes rescaled to their common max and added in split
     order (a fixed order, whatever the step's shape)."""
-    m = m_ref[0, 0, 0]  # [P, Gp]
-    top = jnp.max(m, axis=0)
+    # each split read from the refs (Triton has no slice of a loaded value)
+    top = functools.reduce(jnp.maximum, [m_ref[0, 0, 0, i] for i in range(n_splits)])  # [Gp]
     safe = jnp.where(top == -jnp.inf, 0.0, top)
     l, acc = None, None
     for i in range(n_splits):
-        w = jnp.where(m[i] == -jnp.inf, 0.0, jnp.exp(m[i] - safe))  # [Gp]
+        m = m_ref[0, 0, 0, i]
+        w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - safe))  # [Gp]
         li, ai = w * l_ref[0, 0, 0, i], w[:, None] * acc_ref[0, 0, 0, i]
         l, acc = (li, ai) if l is None else (l + li, acc + ai)
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
