@@ -6,7 +6,7 @@ outputs, is sent to every process each step; so every process makes the same dec
 applies the same ops, in the same order, to the stores it holds (invariant 10 of ../shared/docs/state-store.md).
 Nothing but jitted collectives crosses a process boundary (gloo on the CPU; no RPC, no sockets of our own):
 
-* `send`: a stage's hidden state to the next stage, and the last stage's outputs to every process; a process that
+* `Send`: a stage's hidden state to the next stage, and the last stage's outputs to every process; a process that
   does not hold the data contributes zeros of its known type;
 * `Agreement`: once per step, process 0's decisions (a digest of every ticket and every store op so far) against
   which every process checks its own; a process whose step failed says so there, and every process raises;
@@ -17,7 +17,6 @@ Nothing but jitted collectives crosses a process boundary (gloo on the CPU; no R
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import math
@@ -62,42 +61,59 @@ def owned(devices) -> bool:
     return all(d.process_index == jax.process_index() for d in devices)
 
 
-@functools.lru_cache(maxsize=None)
-def _gather(devices: tuple, src: int):
-    """The jitted collective of `send`: each device's block in, the block of devices[src] out on every device."""
-    mesh = Mesh(np.array(devices), ("p",))
+class Send:
+    """`multihost`'s one way across processes, compiled ahead: a tree of arrays of the types `like`, held by the
+    process of devices[src], to every process holding one of `devices` (one device each, one per process).
 
-    def body(tree):
-        return jax.tree.map(lambda b: jax.lax.all_gather(b, "p", tiled=True)[src: src + 1], tree)
-    spec = PartitionSpec("p")
-    return NamedSharding(mesh, spec), jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    Built (and compiled: one jitted shard_map + all_gather over a mesh of `devices`) where the engine compiles its
+    step programs (pipeline.PipelineRunner.compile_programs), so that a request whose step shapes were precompiled
+    compiles nothing here either. Every one of those processes calls it at the same point of its host loop (the
+    sender with the arrays, the others with None: they contribute zeros of `like`, made once) and gets its own copy
+    on its device of `devices`. Each array crosses as the block of its device in an array over the mesh, tiled
+    along its first axis (a step's outputs all lead with the batch), so nothing is reshaped or converted outside
+    the one program: booleans cross as uint8 inside it. Empty arrays do not cross (zeros of their shape here: an
+    all_gather of one crashed XLA's CPU compiler, a model without MTP has draft logits [B, K1, 0, V]). Dispatch
+    is asynchronous, as any jitted call."""
 
+    def __init__(self, like, devices: tuple, src: int):
+        mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        if len(mine) != 1:
+            raise ValueError(f"send: process {jax.process_index()} holds {len(mine)} of {devices}, expected one")
+        self.device, self.sends = devices[mine[0]], mine[0] == src
+        leaves, self.treedef = jax.tree.flatten(like)
+        self.types = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in leaves]
+        if any(not t.shape for t in self.types):
+            raise ValueError("send: every array needs a leading axis (the mesh's blocks are tiled along it)")
+        self.crossing = [i for i, t in enumerate(self.types) if math.prod(t.shape)]
+        self._zeros = None
+        self.sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
 
-def send(tree, like, devices: tuple, src: int):
-    """`tree` (arrays on devices[src], in the process holding it) to every process holding one of `devices` (one
-    device each, one per process): returns this process's copy on its device of `devices`. Every one of those
-    processes calls it at the same point of its host loop; the others pass tree=None and contribute zeros of
-    `like` (the arrays' types). Booleans cross as uint8; empty arrays do not cross (zeros of their shape here: an
-    all_gather of one crashed XLA's CPU compiler, a model without MTP has draft logits [B, K1, 0, V]). Dispatch is
-    asynchronous, as any jitted call."""
-    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    if len(mine) != 1:
-        raise ValueError(f"send: process {jax.process_index()} holds {len(mine)} of {devices}, expected one")
-    dev = devices[mine[0]]
-    sharding, program = _gather(tuple(devices), src)
-    leaves, treedef = jax.tree.flatten(like)
-    given = jax.tree.leaves(tree) if mine[0] == src else [None] * len(leaves)
-    out = [jnp.zeros(t.shape, t.dtype, device=dev) for t in leaves]
-    crossing = [i for i, t in enumerate(leaves) if math.prod(t.shape)]
-    blocks = []
-    for i in crossing:
-        t, x = leaves[i], given[i]
-        dtype = jnp.uint8 if t.dtype == jnp.bool_ else t.dtype
-        x = out[i].astype(dtype) if x is None else jax.device_put(x.astype(dtype), dev)
-        blocks.append(jax.make_array_from_single_device_arrays((len(devices), *t.shape), sharding, [x[None]]))
-    for i, o in zip(crossing, program(blocks)):
-        out[i] = o.addressable_shards[0].data[0].astype(leaves[i].dtype)
-    return treedef.unflatten(out)
+        def send_across_processes(blocks):
+            def gather(b):
+                wire = jnp.uint8 if b.dtype == jnp.bool_ else b.dtype
+                whole = jax.lax.all_gather(b.astype(wire), "p", tiled=True)
+                return whole[src * len(b): (src + 1) * len(b)].astype(b.dtype)
+            return [gather(b) for b in blocks]
+        program = jax.jit(jax.shard_map(send_across_processes, mesh=self.sharding.mesh, in_specs=self.sharding.spec,
+                                        out_specs=self.sharding.spec))
+        n = len(devices)  # the arrays over the mesh: every process's block of each crossing array, tiled
+        self.tiled = [jax.ShapeDtypeStruct((n * t.shape[0], *t.shape[1:]), t.dtype, sharding=self.sharding)
+                      for t in map(self.types.__getitem__, self.crossing)]
+        self.program = program.lower(self.tiled).compile()
+
+    def __call__(self, tree=None):
+        """The sender's arrays (tree: of `like`'s structure) or None elsewhere -> this process's copy."""
+        if self._zeros is None:  # transfers, not programs (jnp.zeros would compile one per shape)
+            self._zeros = [None if self.sends and i in self.crossing else
+                           jax.device_put(np.zeros(t.shape, t.dtype), self.device) for i, t in enumerate(self.types)]
+        given = jax.tree.leaves(tree) if self.sends else self._zeros
+        out = list(self._zeros)
+        blocks = [jax.make_array_from_single_device_arrays(t.shape, self.sharding,
+                                                           [jax.device_put(given[i], self.device)])
+                  for i, t in zip(self.crossing, self.tiled)]
+        for i, o in zip(self.crossing, self.program(blocks)):
+            out[i] = o.addressable_shards[0].data
+        return self.treedef.unflatten(out)
 
 
 class PeerFailed(RuntimeError):
@@ -177,4 +193,4 @@ class Agreement:
 
 
 __all__ = ["Agreement", "Diverged", "PeerFailed", "add_process_arguments", "initialize", "initialize_from", "owned",
-           "send"]
+           "Send"]

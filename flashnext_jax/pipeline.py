@@ -31,7 +31,7 @@ from pallas_kernels import fixed_order
 
 from .compile_ahead import abstract
 from .engine import PackedBatch, model_step
-from .multihost import owned, send
+from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,12 @@ class PipelineRunner:
         """Compile every stage's program for the engine's step arguments `args` = (params, stores, batch,
         prompt_targets), arrays or their types (compile_ahead.abstract), without running anything: stage s's
         hidden-state input is stage s-1's compiled output type placed on stage s's devices, as `_launch` passes it.
-        A stage on another process's devices is not compiled here, only traced for its output types."""
+        A stage on another process's devices is not compiled here, only traced for its output types. With stages
+        in several processes, also the collectives this process takes part in (each hop across processes, the last
+        stage's outputs to every process): they too are programs per shape, so a precompiled step compiles nothing
+        in a request."""
         params, stores, batch, targets = args
-        x, programs, store_types, hidden, last = None, [], [], [], self.plan.size - 1
+        x, programs, store_types, hops, last = None, [], [], [], self.plan.size - 1
         with fixed_order.batch_invariant(self.batch_invariant):
             for st, p, store, jitted in zip(self.plan.stages, params, stores, self._jits, strict=True):
                 b = _placed(self._stage_batch(batch, st), st.sharding)
@@ -119,10 +122,20 @@ class PipelineRunner:
                 store_types.append(store_type)
                 if st.index != last:
                     x = out
-                    hidden.append(out)
+                    hops.append(self._hop(out, st.index))
+        outputs = None
         if self.multiprocess:  # the outputs the engine reads are the copies sent to this process's device
+            outputs = Send(out, self.output_devices, self.output_devices.index(self.plan.stages[last].devices[0]))
             out = _placed(out, self.output_sharding)
-        return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hidden))
+        return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hops), outputs)
+
+    def _hop(self, like, s: int) -> Send | None:
+        """The compiled collective that hands stage s's hidden state (of types `like`) to stage s + 1 in another
+        process, from the first device of one to the first of the other; None where no collective runs here (both
+        stages in this process: a device_put; neither)."""
+        if self.local[s] == self.local[s + 1]:
+            return None
+        return Send(like, (self.plan.stages[s].devices[0], self.plan.stages[s + 1].devices[0]), 0)
 
     def _stage_batch(self, batch, st):
         """The batch a stage takes: only the host-gathered inputs it reads (PLE rows: the PLE layers' stage)."""
@@ -142,19 +155,18 @@ class PipelineRunner:
                     if self.timeline is not None:
                         self.timeline.launched(st.index, x)
             if st.index != last:
-                x = self._hand_over(x, st.index, programs.hidden[st.index])
+                x = self._hand_over(x, st.index, programs.hops[st.index])
             new.append(store)
         if self.timeline is not None and self.local[last]:
             self.timeline.launched(last, out["logits"])
         if self.multiprocess:  # every process's host loop commits from the same outputs
-            src = self.output_devices.index(self.plan.stages[last].devices[0])
-            out = send(out, programs.out_info[1], self.output_devices, src)
+            out = programs.outputs(out if self.local[last] else None)
         return tuple(new), out
 
-    def _hand_over(self, x, s: int, like):
+    def _hand_over(self, x, s: int, hop: Send | None):
         """Stage s's hidden state to stage s + 1's devices: a device_put within a process; across processes the
-        collective `multihost.send`, which both processes call (the receiver contributing zeros of type `like`);
-        None in a process holding neither stage."""
+        compiled collective `hop`, which both processes call (the receiver passing nothing); None in a process
+        holding neither stage."""
         here, there = self.local[s], self.local[s + 1]
         if here:
             self.bytes_between_stages += sum(a.nbytes for a in jax.tree.leaves(x))
@@ -162,7 +174,7 @@ class PipelineRunner:
             return jax.device_put(x, self.shardings[s + 1])
         if not (here or there):
             return None
-        y = send(x, like, (self.plan.stages[s].devices[0], self.plan.stages[s + 1].devices[0]), 0)
+        y = hop(x if here else None)
         return jax.device_put(y, self.shardings[s + 1]) if there else None
 
     def step(self, params, store, batch):
@@ -188,17 +200,20 @@ class _StageFn:
 class StagePrograms(NamedTuple):
     """One step shape's compiled executables, one per stage (None: a stage of another process), and the types of
     what the step returns: out_info = (the stages' stores, the last stage's outputs), as a compiled single
-    program's `out_info` (the engine compiles its samplers for those logits); `hidden`: each stage's hidden-state
-    output type but the last's (what a receiving process contributes zeros of)."""
+    program's `out_info` (the engine compiles its samplers for those logits). With stages in several processes,
+    the step's compiled collectives (multihost.Send): `hops[s]` hands stage s's hidden state to stage s + 1 when
+    one of the two is this process's and the other is not (else None); `outputs` sends the last stage's outputs
+    to every process."""
 
     stages: tuple
     out_info: tuple
-    hidden: tuple = ()
+    hops: tuple = ()
+    outputs: Send | None = None
 
 
 def _output_devices(plan: StagePlan) -> tuple:
     """One device per process, in process order: the device of its last stage, or its first device if it holds
-    none. The last stage's outputs are sent to these (multihost.send)."""
+    none. The last stage's outputs are sent to these (multihost.Send)."""
     per_process = {d.process_index: d for d in jax.devices()[::-1]}  # each process's first device
     for st in plan.stages:
         if len({d.process_index for d in st.devices}) != 1:

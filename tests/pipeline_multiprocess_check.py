@@ -1,8 +1,10 @@
 """Run by tests/test_pipeline_multiprocess.py once per process: 2 processes on localhost, one CPU device each
 (multihost.initialize: jax.distributed with gloo collectives). Usage: pipeline_multiprocess_check.py PROCESS PORT.
 
-The PP=2 engine (stage 0 in process 0, stage 1 in process 1) runs pipeline_runs.run in both processes, as a user
-runs `LLM(..., pipeline_parallel_size=2)` in each. Then the two ways such an engine must stop, in both processes at
+First an engine started with precompile=True, whose requests must compile nothing in either process (the hops
+across processes included), and the same requests without precompile as the control. The PP=2 engine (stage 0 in
+process 0, stage 1 in process 1) runs pipeline_runs.run in both processes, as a user runs
+`LLM(..., pipeline_parallel_size=2)` in each. Then the two ways such an engine must stop, in both processes at
 once: a fault in one process's step (process 1's third commit raises) and processes that added different
 requests. Last, each process runs one oracle alone on its own device (process 0 the PP=1 engine, process 1
 Model.generate). Prints one JSON line; asserts nothing itself."""
@@ -13,12 +15,39 @@ import sys
 import time
 
 import jax
+from jax._src import dispatch
+from jax import monitoring
 
 import flashnext_jax as fj
 from flashnext_jax import multihost
 from flashnext_jax.engine import Engine
 from flashnext_jax.sampling import SamplingParams
-from pipeline_runs import PROMPTS, logit_diff, run
+from pipeline_runs import MAX_LEN, PROMPTS, logit_diff, run
+
+COMPILED: list[str] = []  # the name of every program XLA built in this process (persistent cache hits included)
+
+
+def _on_event(event: str, _seconds: float, **kw):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+        COMPILED.append(kw.get("fun_name", "?"))
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compiles_in_requests(precompile: bool) -> dict:
+    """LLM(..., pipeline_parallel_size=2, precompile=precompile) (one page-table width, so that precompile covers
+    every step shape, prefill buckets 4 and 16), then both prompts at once: the programs compiled while the requests
+    ran. Precompile's warm-up request runs a 16-token chunk, so the 3-token prompt's step (T=4) and its hops across
+    processes are first launched by the requests."""
+    lm = fj.LLM(fj.load(dtype="float32", device="host"), max_num_seqs=2, max_num_batched_tokens=16,
+                max_model_len=MAX_LEN, page_size=4, block_size=4, page_table_width="max", min_batch_bucket=2,
+                pipeline_parallel_size=2, pp_layer_partition=(5, 3), precompile=precompile)
+    before = len(COMPILED)
+    outs = lm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                       SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    return {"tokens": [o.token_ids for o in outs], "compiled": COMPILED[before:],
+            "model_steps": lm.engine.counters["compiles"]}
 
 
 def stops_together(lm, pid: int, how: str) -> dict:
@@ -51,6 +80,8 @@ def main(pid: int, port: int):
     multihost.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=120, heartbeat_timeout_s=30)
     faulthandler.dump_traceback_later(480, exit=True)  # a hang shows where, before the test's 600 s kill
     res = {"process": pid, "devices": len(jax.devices()), "local": len(jax.local_devices())}
+    res["precompiled"] = compiles_in_requests(True)  # first: no earlier engine has run any of its programs
+    res["not_precompiled"] = compiles_in_requests(False)
     t0 = time.perf_counter()
     res["pp2"], logits2, lm = run(None, 2)
     res["pp2_seconds"] = time.perf_counter() - t0

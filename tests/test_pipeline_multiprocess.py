@@ -7,6 +7,7 @@ collectives, loopback only), one CPU device each.
   process 1, the same host loop in each, equals the PP=1 engine and Model.generate token for token and PP=1 in
   logits, with two concurrent requests of mixed lengths, MTP, prefix caching, chunked prefill and a sampled
   request; an engine fault in one process, or processes that added different requests, stop both at once.
+* Precompile: with stages in two processes, a request compiles nothing in either (the collectives included).
 * The command line: `flashnext generate --coordinator-address ... --process-id i` in each process.
 """
 
@@ -128,3 +129,15 @@ def test_processes_that_added_other_requests_both_stop(engines):
     for p in engines:
         assert p["diverge"]["error"].startswith("Diverged: process 1's decisions differ from process 0's")
         assert p["diverge"]["finish_reasons"] == ["error"]
+
+
+def test_precompile_leaves_no_compile_in_a_request_in_either_process(engines):
+    """LLM(pipeline_parallel_size=2, precompile=True) over two processes compiles every step's programs at startup,
+    the collectives across processes included (the hidden state's hop, the last stage's outputs to every process):
+    the requests then build no program in either process (XLA's compile events, counted in each). Control: the same
+    requests on an engine started without precompile compile their stage programs and their collectives there."""
+    for p in engines:
+        pc, control = p["precompiled"], p["not_precompiled"]
+        assert pc["compiled"] == [] and pc["model_steps"] == 0, pc
+        assert control["model_steps"] > 0 and "jit(send_across_processes)" in control["compiled"], control
+        assert pc["tokens"] == control["tokens"] == p["pp2"]["tokens"]
