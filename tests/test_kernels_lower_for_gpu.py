@@ -4,7 +4,9 @@ Interpret mode, which the other kernel tests run, executes a kernel's jaxpr with
 things the Triton lowering does not (stop 43: the QSA split combine sliced a loaded value, `m[i]`, which passed
 every interpret test and failed on the H200 with "Unimplemented primitive in Pallas Triton lowering: slice",
 costing a scarce device run). Lowering each kernel for CUDA here, as `tools/sass_offline.py` does, catches that
-class of failure before a GPU run: one TTIR module per pallas_call, or the lowering's own error."""
+class of failure before a GPU run: one TTIR module per pallas_call, or the lowering's own error. The last test
+lowers whole engine steps at the real config (types only, seconds); with the slice form it fails in the
+batch-invariant trace, which is the one that takes the split kernels."""
 
 import sys
 from pathlib import Path
@@ -16,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashnext_jax import gdn  # noqa: E402
 from pallas_kernels import fixed_order, qsa_sparse  # noqa: E402
 from tools.sass_offline import ttir_of  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 
 @pytest.mark.parametrize("t,kv_splits", [(1, 1), (1, 8), (64, 8)])
@@ -59,3 +63,46 @@ def test_gdn_in_store_kernels_lower(invariant, t):
 
     modules = ttir_of(run, q, k, v, g, beta, leaf)
     assert modules and all("tt.func" in m for m in modules)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant):
+    """The whole engine step, as a GPU run compiles it: the real config cut to 4 layers (GDN, PLE and QSA layers)
+    and 32 experts with INT4-Mixed weights, lowered for CUDA with the Pallas kernels selected as on a GPU, at
+    every startup shape (decode B = 1, 2 and a prefill chunk). The params are types only (jax.eval_shape): no
+    weight is drawn, so this costs seconds, and a kernel or a kernel choice that cannot lower fails here rather
+    than in a device run's compile."""
+    import dataclasses
+    import json
+
+    import jax
+    from bench import decode_step
+    from bench.engine_step import RandomPleRunner
+    from flashnext_jax import api
+    from flashnext_jax.config import from_hf_config
+    from flashnext_jax.layer_stack import with_stacked_layers
+    from flashnext_jax.llm import LLM
+
+    monkeypatch.setenv("FLASHNEXT_KERNELS", "pallas")  # the GPU's kernel choices, made on this CPU
+    jax.clear_caches()
+    with open(decode_step.REAL_CONFIG) as f:
+        cfg = from_hf_config(json.load(f))
+    layers = 4
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
+                              ple_layers=tuple(p for p in cfg.ple_layers if p < layers), num_experts=32)
+    assert len(set(cfg.layer_types)) == 2 and cfg.ple_layers  # GDN and QSA layers, and the PLE
+    params = jax.eval_shape(lambda: with_stacked_layers(decode_step.build(cfg, jax.random.key(0), stack=False)[0]))
+    model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024,
+             page_size=64, block_size=64, num_pages=40, num_snapshots=2, enable_prefix_caching=False,
+             prefill_buckets=(256,), page_table_width="max", compile_ahead=False, batch_invariant=batch_invariant)
+    eng = lm.engine
+    keys = eng.startup_shapes()
+    assert {k.tokens for k in keys} == {1, 256}
+    try:
+        for key in keys:
+            with fixed_order.batch_invariant(batch_invariant):
+                modules = ttir_of(eng._steps._run, *eng._abstract_args(key))
+            assert len(modules) > 10, key.describe()  # the step's pallas_calls: GDN, QSA, quant, MoE kernels
+    finally:
+        jax.clear_caches()
