@@ -65,13 +65,15 @@ def test_gdn_in_store_kernels_lower(invariant, t):
     assert modules and all("tt.func" in m for m in modules)
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False])
-def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant):
+@pytest.mark.parametrize("batch_invariant,variant", [(True, "plain"), (False, "plain"), (True, "mtp"),
+                                                     (True, "qsa_kv_offload")])
+def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, variant):
     """The whole engine step, as a GPU run compiles it: the real config cut to 4 layers (GDN, PLE and QSA layers)
-    and 32 experts with INT4-Mixed weights, lowered for CUDA with the Pallas kernels selected as on a GPU, at
-    every startup shape (decode B = 1, 2 and a prefill chunk). The params are types only (jax.eval_shape): no
-    weight is drawn, so this costs seconds, and a kernel or a kernel choice that cannot lower fails here rather
-    than in a device run's compile."""
+    and 32 experts with INT4-Mixed weights (and the BF16 MTP head for "mtp"), lowered for CUDA with the Pallas
+    kernels selected as on a GPU, at every startup shape (decode B = 1, 2 and a prefill chunk). The params are
+    types only (jax.eval_shape): no weight is drawn, so this costs seconds, and a kernel or a kernel choice that
+    cannot lower fails here rather than in a device run's compile. (Lowering stops before XLA's own GPU passes:
+    the host-offload copies of "qsa_kv_offload" are checked only as far as StableHLO.)"""
     import dataclasses
     import json
 
@@ -91,14 +93,19 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant):
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
                               ple_layers=tuple(p for p in cfg.ple_layers if p < layers), num_experts=32)
     assert len(set(cfg.layer_types)) == 2 and cfg.ple_layers  # GDN and QSA layers, and the PLE
-    params = jax.eval_shape(lambda: with_stacked_layers(decode_step.build(cfg, jax.random.key(0), stack=False)[0]))
+    mtp = variant == "mtp"
+    params = jax.eval_shape(lambda: with_stacked_layers(
+        decode_step.build(cfg, jax.random.key(0), stack=False, with_mtp=mtp)[0]))
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
-    lm = LLM(RandomPleRunner(model, 0), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024,
+    extra = {"mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+             "qsa_kv_offload": dict(qsa_kv_offload=True)}.get(variant, {})
+    lm = LLM(RandomPleRunner(model, int(mtp)), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024,
              page_size=64, block_size=64, num_pages=40, num_snapshots=2, enable_prefix_caching=False,
-             prefill_buckets=(256,), page_table_width="max", compile_ahead=False, batch_invariant=batch_invariant)
+             prefill_buckets=(256,), page_table_width="max", compile_ahead=False, batch_invariant=batch_invariant,
+             **extra)
     eng = lm.engine
     keys = eng.startup_shapes()
-    assert {k.tokens for k in keys} == {1, 256}
+    assert {k.tokens for k in keys} == {1 + int(mtp), 256}
     try:
         for key in keys:
             with fixed_order.batch_invariant(batch_invariant):
