@@ -101,7 +101,8 @@ class StateStore:
 
 def init_store(spec: StoreSpec, dims: StoreDims) -> StateStore:
     """Every slot, page and snapshot starts poisoned: nothing is readable before it was written for its owner."""
-    slot = {n: jnp.full((dims.num_slots + 1, dims.num_columns, *l.shape), l.poison, l.dtype) for n, l in spec.slot.items()}
+    slot = {n: jnp.full((dims.num_slots + 1, dims.num_columns, *l.shape), l.poison, l.dtype)
+            for n, l in spec.slot.items()}
     for n, l in spec.page.items():
         if dims.page_size % l.tokens_per_row:
             raise ValueError(f"page leaf {n!r} holds one entry per {l.tokens_per_row} tokens: the page size must be "
