@@ -319,6 +319,15 @@ class SamplerKey(NamedTuple):
         return self.sampling is not None or self.logprobs or bool(self.logit_bias_width) or self.grammar
 
 
+RAW_OUTPUTS = ("logits", "draft_logits")  # [B, K1, V] f32 and [B, K1, k, V]: the host reads them only to sample
+
+
+def crossing_outputs(out: dict, host_logits: bool) -> dict:
+    """The step outputs (the model step's, then the sampler's) that cross to the other processes: all of them
+    but the raw logits, which cross only in a step where some row samples from them on the host."""
+    return {n: a for n, a in out.items() if host_logits or n not in RAW_OUTPUTS}
+
+
 class HostOutputs:
     """One step's outputs, copied to the host on first use and only the ones used (the full logits only when a
     row samples with a temperature or penalties)."""
@@ -449,9 +458,15 @@ class Engine:
         self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant)
         self._steps.set_limit(cfg.max_compiled_steps)
         self._samplers.set_limit(cfg.max_compiled_samplers)
-        # where a step's logits are (a pipeline's last stage; with stages in several processes, this process's copy
-        # of its outputs): the samplers' inputs go there
+        # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
         self._placement = getattr(runner, "output_sharding", None)
+        # stages in several processes: the samplers run where the last stage's outputs are, and then only what the
+        # host loops read crosses to the other processes (_share_outputs)
+        self._multiprocess = getattr(runner, "multiprocess", False)
+        self._outputs_here = getattr(runner, "holds_outputs", True)
+        self._step_sampler: SamplerKey | None = None  # the sampler key of the step being launched
+        self._sampler_types: dict = {}  # (sampler key, logits types) -> its outputs' types (the receivers')
+        self._crossings: dict = {}  # (step key, sampler key, host logits) -> the types that cross
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
         self._store_key = tuple(a.shape for a in jax.tree_util.tree_leaves(self.ledger.store))
         self.pending: collections.deque[tuple[StepTicket, Any]] = collections.deque()
@@ -522,14 +537,20 @@ class Engine:
         """The samplers requests of these parameters need (a server's generation defaults: what most of its
         requests sample with), at every row bucket: the key of a step whose token-choosing rows all have one of
         them (as _choose_tokens makes it from the step's inputs)."""
-        keys = {}
-        for p in sampling_params:
-            masks = mask_modes([max(p.top_k, 0)], [p.top_p]) if device_sampled(p, self.cfg.num_speculative_tokens) \
-                else None
-            bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
-            for b in self._row_buckets():
-                keys[SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None)] = None
+        keys = {self._sampler_key_of(p, b): None for p in sampling_params for b in self._row_buckets()}
         return [k for k in keys if k.needed]
+
+    def _sampler_key_of(self, p: sampling.SamplingParams, b: int) -> SamplerKey:
+        """The sampler key of a step of b rows whose token-choosing rows all have the parameters p."""
+        masks = mask_modes([max(p.top_k, 0)], [p.top_p]) if device_sampled(p, self.cfg.num_speculative_tokens) \
+            else None
+        bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
+        return SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None)
+
+    def _host_samples(self, p: sampling.SamplingParams) -> bool:
+        """Whether a row of p chooses its tokens on the host from the raw logits (and draft logits): neither the
+        device's argmax nor a device sample (penalties, sampling with MTP drafts to verify; its logprobs too)."""
+        return not p.device_argmax and not device_sampled(p, self.cfg.num_speculative_tokens)
 
     def _device_logprobs(self, params: Sequence[sampling.SamplingParams]) -> bool:
         """Whether some row wants the logprob of a token the device chooses (greedy without penalties, or sampled
@@ -562,6 +583,11 @@ class Engine:
             else:
                 log.debug("compiling %s", key.describe())
                 self._compile_sampler(key, keys)
+        if self._multiprocess:  # the outputs' collectives of these parameters' steps (a greedy step's: above)
+            for key in keys:
+                for p in sampling_params:
+                    s = self._sampler_key_of(p, key.rows)
+                    self.runner.output_send(self._crossing(key, s if s.needed else None, self._host_samples(p)))
         log.info("precompiled %d engine programs in %.1f s", len(todo), time.perf_counter() - t0)
         return len(todo)
 
@@ -578,10 +604,17 @@ class Engine:
 
     def _compile_sampler(self, key: SamplerKey, model_keys: Sequence[StepKey]):
         """Compile a sampler for the logits of a model step of its rows: their types, placement included, are that
-        compiled step's outputs (a key's executable must take what the engine's calls give it)."""
+        compiled step's outputs (a key's executable must take what the engine's calls give it). Only the model step
+        in a process without a pipeline's last stage (the samplers run in that stage's process)."""
         model = next((k for k in model_keys if k.rows == key.rows), None) or next(
             k for k in self.decode_shapes() if k.rows == key.rows)
         out = self._steps.compile(model, self._abstract_args(model)).out_info[1]
+        if self._outputs_here:
+            self._samplers.compile(key, (out["logits"], out["draft_logits"], abstract(
+                self._on_last_stage(self._sampler_inputs_like(key))), key.logprobs))
+
+    def _sampler_inputs_like(self, key: SamplerKey):
+        """Sampler inputs (host arrays) of the types a step of `key` packs."""
         b, v = key.rows, self.runner.vocab_size
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         inputs = None if key.sampling is None else SamplingInputs(
@@ -590,8 +623,26 @@ class Engine:
         width = key.logit_bias_width
         bias = LogitBias(z(b, width), np.zeros((b, width), np.float32)) if width else None
         mask = z(b, self.K1, -(-v // 32)) if key.grammar else None
-        self._samplers.compile(key, (out["logits"], out["draft_logits"], abstract(
-            self._on_last_stage(SamplerInputs.pack(inputs, bias, mask))), key.logprobs))
+        return SamplerInputs.pack(inputs, bias, mask)
+
+    def _crossing(self, key: StepKey, skey: SamplerKey | None, host_logits: bool) -> dict:
+        """The types of the outputs of a step of `key` with the sampler `skey` (None: none ran) that the other
+        processes' host loops read (crossing_outputs); the same in every process."""
+        hit = self._crossings.get((key, skey, host_logits))
+        if hit is not None:
+            return hit
+        programs = self._steps.get(key) or self._steps.compile(key, self._abstract_args(key))
+        out = dict(programs.out_info[1])
+        if skey is not None:
+            sig = (skey, out["logits"].shape, out["draft_logits"].shape)
+            if sig not in self._sampler_types:  # traced, not compiled
+                inputs = abstract(self._sampler_inputs_like(skey))
+                self._sampler_types[sig] = jax.eval_shape(
+                    lambda lg, dl, i: choose_tokens_packed(lg, dl, i, skey.logprobs), out["logits"],
+                    out["draft_logits"], inputs)
+            out |= self._sampler_types[sig]
+        self._crossings[(key, skey, host_logits)] = crossing = crossing_outputs(out, host_logits)
+        return crossing
 
     def _on_last_stage(self, tree):
         """Where a step's logits are (a pipeline's last stage, else the default device): the samplers' inputs."""
@@ -715,9 +766,13 @@ class Engine:
                 self._peers.agree(self.step_id, ticket, self.ledger.op_digest())
             store, out = self._launch_model_step(key, (self.runner.params, self.ledger.store, batch, targets))
             self.ledger.store = store
+            chosen = self._choose_tokens(ticket, out)
+            if out is not None:
+                out |= chosen
+            if self._multiprocess:
+                out = self._share_outputs(ticket, key, out)
             if self._peers is not None:
                 self._peers.launched()
-            out |= self._choose_tokens(ticket, out)
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
             if self.cfg.compile_ahead:
@@ -752,17 +807,29 @@ class Engine:
         if new:
             self.counters["compiles"] += 1
             log.info("engine step for %s compiled and launched in %.1f s", key.describe(), time.perf_counter() - t0)
-        return store, dict(out)
+        return store, None if out is None else dict(out)
 
-    def _choose_tokens(self, t: StepTicket, out: dict) -> dict:
+    def _share_outputs(self, t: StepTicket, key: StepKey, out: dict | None) -> dict:
+        """Stages in several processes: the outputs the host loops read, from the last stage's process to every
+        process (pipeline.PipelineRunner.share_outputs): the few-byte ones (argmax, finite flags, the sampler's),
+        and the raw logits only in a step where some row samples on the host; decided from the ticket, the same in
+        every process."""
+        host_logits = any(r.samples and self._host_samples(self.requests[r.request_id].params) for r in t.rows)
+        skey = self._step_sampler if self._step_sampler.needed else None
+        return self.runner.share_outputs(out, self._crossing(key, skey, host_logits))
+
+    def _choose_tokens(self, t: StepTicket, out: dict | None) -> dict:
         """The sampler's outputs for the step's rows (device samples, logprobs, biased or masked argmax; empty when
-        every token-choosing row is greedy without them: those commit from the model step's argmax)."""
+        every token-choosing row is greedy without them: those commit from the model step's argmax). With stages in
+        several processes it runs in the last stage's process only (`out` None elsewhere; the inputs are still
+        made in every process: the grammar masks set each constrained row's step mask)."""
         params = [self.requests[r.request_id].params for r in t.rows if r.samples]
         # (the grammar masks also set each constrained row's step mask, which the host samples under)
         inputs, bias, mask = self._sampling_inputs(t), self._logit_bias(t), self._token_masks(t)
         key = SamplerKey(t.batch_size, None if inputs is None else inputs.masks, self._device_logprobs(params),
                          0 if bias is None else bias.ids.shape[1], mask is not None)
-        if not key.needed:
+        self._step_sampler = key
+        if not key.needed or out is None:
             return {}
         if key not in self._samplers:
             log.debug("new sampler key: %s", key.components())
@@ -995,7 +1062,7 @@ class Engine:
                 self.sched.finish(req, reason)
                 req.metrics["finish_time"] = time.monotonic()
                 return
-        nd = min(self.cfg.num_speculative_tokens, host.shape("draft_logits")[2])
+        nd = min(self.cfg.num_speculative_tokens, host.shape("draft_logits_argmax")[2])
         if nd:
             if on_device:
                 drafts, probs = sampling.propose_argmax(host["draft_logits_argmax"][r.row, col, :nd],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ import jax
 from pallas_kernels import fixed_order
 
 from .compile_ahead import abstract
-from .engine import PackedBatch, model_step
+from .engine import PackedBatch, crossing_outputs, model_step
 from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
 
@@ -60,8 +61,13 @@ class PipelineRunner:
         # where the engine finds a step's outputs (its samplers run there): the last stage, or with several
         # processes each process's own device that the last stage's outputs are sent to
         self.output_devices = _output_devices(plan) if self.multiprocess else ()
-        self.output_sharding = self.shardings[-1] if not self.multiprocess else jax.sharding.SingleDeviceSharding(
+        self.holds_outputs = self.local[-1]  # the last stage's outputs are here (its samplers run here)
+        self.output_sharding = self.shardings[-1] if self.holds_outputs else jax.sharding.SingleDeviceSharding(
             next(d for d in self.output_devices if d.process_index == jax.process_index()))
+        self._sends: dict = {}  # the outputs' compiled collectives by the types that cross (output_send)
+        self._sends_lock = threading.Lock()
+        # per shared step (share_outputs): the names of the outputs that crossed and their bytes
+        self.outputs_sent: collections.deque = collections.deque(maxlen=256)
         self.shapes_seen: set = set()
         self.bytes_between_stages = 0  # hidden states sent from a stage to the next (device_put payloads)
         self.timeline = StageTimeline(plan.size) if profile else None
@@ -124,10 +130,33 @@ class PipelineRunner:
                     x = out
                     hops.append(self._hop(out, st.index))
         outputs = None
-        if self.multiprocess:  # the outputs the engine reads are the copies sent to this process's device
-            outputs = Send(out, self.output_devices, self.output_devices.index(self.plan.stages[last].devices[0]))
-            out = _placed(out, self.output_sharding)
+        if self.multiprocess:  # a greedy step's outputs to every process (the engine adds the other sets it sends)
+            outputs = self.output_send(crossing_outputs(out, host_logits=False))
         return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hops), outputs)
+
+    def output_send(self, like: dict) -> Send:
+        """The compiled collective that sends outputs of the types `like` (name -> array type) from the last
+        stage's process to every process: compiled once per set of types (a step key's greedy set in
+        compile_programs, the sampler's and the logits' sets where the engine precompiles or first needs them)."""
+        sig = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in sorted(like.items()))
+        with self._sends_lock:
+            send = self._sends.get(sig)
+            if send is None:
+                types = {n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in like.items()}
+                send = self._sends[sig] = Send(types, self.output_devices,
+                                               self.output_devices.index(self.plan.stages[-1].devices[0]))
+            return send
+
+    def share_outputs(self, out: dict | None, like: dict) -> dict:
+        """With stages in several processes, called by every process at the same point of its step (after the
+        samplers, which run in the last stage's process only): the outputs named in `like` (of those types) from
+        the last stage's process to every other. The last stage's process keeps all of its outputs (`out`, the raw
+        logits included); the others get the crossing ones only."""
+        send = self.output_send(like)
+        got = send({n: out[n] for n in like} if self.holds_outputs else None)
+        self.outputs_sent.append((tuple(sorted(like)), sum(math.prod(t.shape) * t.dtype.itemsize
+                                                            for t in send.types)))
+        return out if self.holds_outputs else got
 
     def _hop(self, like, s: int) -> Send | None:
         """The compiled collective that hands stage s's hidden state (of types `like`) to stage s + 1 in another
@@ -159,8 +188,8 @@ class PipelineRunner:
             new.append(store)
         if self.timeline is not None and self.local[last]:
             self.timeline.launched(last, out["logits"])
-        if self.multiprocess:  # every process's host loop commits from the same outputs
-            out = programs.outputs(out if self.local[last] else None)
+        # with stages in several processes the engine sends what the host loops read (share_outputs); None in a
+        # process without the last stage
         return tuple(new), out
 
     def _hand_over(self, x, s: int, hop: Send | None):
@@ -203,7 +232,7 @@ class StagePrograms(NamedTuple):
     program's `out_info` (the engine compiles its samplers for those logits). With stages in several processes,
     the step's compiled collectives (multihost.Send): `hops[s]` hands stage s's hidden state to stage s + 1 when
     one of the two is this process's and the other is not (else None); `outputs` sends the last stage's outputs
-    to every process."""
+    to every process in a greedy step (every output but the raw logits: PipelineRunner.output_send)."""
 
     stages: tuple
     out_info: tuple

@@ -11,8 +11,11 @@ Model.generate). Prints one JSON line; asserts nothing itself."""
 
 import faulthandler
 import json
+import pickle
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 from jax._src import dispatch
@@ -76,6 +79,19 @@ def stops_together(lm, pid: int, how: str) -> dict:
     return {"error": None}
 
 
+def crossings(lm) -> dict:
+    """What crosses from the last stage's process each step (PipelineRunner.outputs_sent: the names and bytes):
+    a greedy request, then (the control) one sampled with a temperature, which with MTP drafts verifies and
+    proposes on the host from the raw logits."""
+    res = {"vocab_size": lm.runner.vocab_size}
+    for name, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
+                         ("host_sampled", SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))):
+        lm.runner.outputs_sent.clear()
+        out = lm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
+        res[name] = {"tokens": out[0].token_ids, "sent": [[list(n), b] for n, b in lm.runner.outputs_sent]}
+    return res
+
+
 def main(pid: int, port: int):
     multihost.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=120, heartbeat_timeout_s=30)
     faulthandler.dump_traceback_later(480, exit=True)  # a hang shows where, before the test's 600 s kill
@@ -85,12 +101,21 @@ def main(pid: int, port: int):
     t0 = time.perf_counter()
     res["pp2"], logits2, lm = run(None, 2)
     res["pp2_seconds"] = time.perf_counter() - t0
+    shared = Path(tempfile.gettempdir()) / f"pp_mp_logits_{port}.pickle"  # process 1's: it holds the last stage
+    if pid == 1:
+        shared.write_bytes(pickle.dumps(logits2))
+    logits_here = len(logits2)  # process 0's copies: none (every step of run() is greedy)
+    res["crossings"] = crossings(lm)
     res["fault"] = stops_together(lm, pid, "fault")
     res["diverge"] = stops_together(lm, pid, "diverge")
     model = fj.load(dtype="float32")  # the oracles, each process one of them alone on its own device
     if pid == 0:  # (only process 0 writes JAX's compilation cache: its programs compile once across runs)
         res["pp1"], logits1, _ = run(model, 1, compile_ahead=False)
-        res["logit_diff"] = logit_diff(logits1, logits2)  # every process holds the last stage's logits
+        # the last stage's logits in process 1 (greedy steps send process 0 only their argmax and finite flags);
+        # written before the collectives of stops_together, so there by now
+        res["logit_diff"] = logit_diff(logits1, pickle.loads(shared.read_bytes()))
+        res["logits_here"] = logits_here
+        shared.unlink()
     else:
         res["solo"] = [model.generate(p, 10) for p in PROMPTS]
     print(json.dumps(res), flush=True)

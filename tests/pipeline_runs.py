@@ -30,6 +30,8 @@ def run(model, pp, **engine_kwargs):
     commit = lm.engine._commit
 
     def recording_commit(ticket, out):
+        if "logits" not in out:  # another process's last stage, in a step where no row samples on the host
+            return commit(ticket, out)
         lg = np.asarray(out["logits"])
         for r in ticket.rows:
             for c in range(lg.shape[1]):

@@ -106,8 +106,11 @@ def test_each_process_holds_its_own_stage(engines):
 
 def test_two_process_pipeline_tokens_equal_one_process(engines):
     p0, p1 = engines
-    for key in ("tokens", "again", "sampled"):
+    for key in ("tokens", "again"):
         assert p0["pp2"][key] == p1["pp2"][key] == p0["pp1"][key], key
+    s0, s1, solo = p0["pp2"]["sampled"], p1["pp2"]["sampled"], p0["pp1"]["sampled"]
+    assert s0["tokens"] == s1["tokens"] == solo["tokens"] and s0["top"] == s1["top"] == solo["top"]
+    assert s1["samplers"] == solo["samplers"] > 0 and s0["samplers"] == 0  # run in the last stage's process only
     assert p0["pp2"]["tokens"] == p1["solo"]
     assert p0["pp2"]["prefix_hits"] > 0 and p0["pp2"]["counters"]["drafts"] > 0
 
@@ -115,6 +118,24 @@ def test_two_process_pipeline_tokens_equal_one_process(engines):
 def test_two_process_pipeline_logits_equal_one_process(engines):
     d = engines[0]["logit_diff"]
     assert d["positions"] >= 20 and d["max_abs"] < 1e-4, d
+
+
+def test_only_small_outputs_cross_in_a_greedy_step(engines):
+    """Each step sends from the last stage's process only what the other host loops read: in a greedy request's
+    steps the argmax and finite flags (a few bytes a row; no raw logits: none crossed in the whole greedy run
+    either). Control: a request sampled with a temperature (MTP: verified and proposed on the host) sends the raw
+    logits in its sampling steps, and both processes draw the same tokens from them."""
+    p0, p1 = engines
+    assert p0["logits_here"] == 0
+    c0, c1 = p0["crossings"], p1["crossings"]
+    assert c0 == c1  # the same decision in both processes
+    row = c0["vocab_size"] * 4  # one position's f32 logits
+    greedy, sampled = c0["greedy"]["sent"], c0["host_sampled"]["sent"]
+    assert greedy and all("logits" not in n and "draft_logits" not in n and b < row for n, b in greedy), greedy
+    assert "logits_argmax" in greedy[0][0] and "logits_finite" in greedy[0][0]
+    with_logits = [b for n, b in sampled if "logits" in n and "draft_logits" in n]
+    assert with_logits and min(with_logits) >= 2 * row, sampled
+    assert len(c0["host_sampled"]["tokens"]) == 4
 
 
 def test_a_fault_in_one_process_stops_both(engines):
