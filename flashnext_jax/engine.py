@@ -464,7 +464,6 @@ class Engine:
         # host loops read crosses to the other processes (_share_outputs)
         self._multiprocess = getattr(runner, "multiprocess", False)
         self._outputs_here = getattr(runner, "holds_outputs", True)
-        self._step_sampler: SamplerKey | None = None  # the sampler key of the step being launched
         self._sampler_types: dict = {}  # (sampler key, logits types) -> its outputs' types (the receivers')
         self._crossings: dict = {}  # (step key, sampler key, host logits) -> the types that cross
         # the store's leaf shapes end every step key: engines of one runner with other pool sizes share the cache
@@ -766,11 +765,11 @@ class Engine:
                 self._peers.agree(self.step_id, ticket, self.ledger.op_digest())
             store, out = self._launch_model_step(key, (self.runner.params, self.ledger.store, batch, targets))
             self.ledger.store = store
-            chosen = self._choose_tokens(ticket, out)
+            sampler, chosen = self._choose_tokens(ticket, out)
             if out is not None:
                 out |= chosen
             if self._multiprocess:
-                out = self._share_outputs(ticket, key, out)
+                out = self._share_outputs(ticket, key, sampler, out)
             if self._peers is not None:
                 self._peers.launched()
             self.pending.append((ticket, out))
@@ -809,34 +808,34 @@ class Engine:
             log.info("engine step for %s compiled and launched in %.1f s", key.describe(), time.perf_counter() - t0)
         return store, None if out is None else dict(out)
 
-    def _share_outputs(self, t: StepTicket, key: StepKey, out: dict | None) -> dict:
+    def _share_outputs(self, t: StepTicket, key: StepKey, sampler: SamplerKey, out: dict | None) -> dict:
         """Stages in several processes: the outputs the host loops read, from the last stage's process to every
         process (pipeline.PipelineRunner.share_outputs): the few-byte ones (argmax, finite flags, the sampler's),
         and the raw logits only in a step where some row samples on the host; decided from the ticket, the same in
         every process."""
         host_logits = any(r.samples and self._host_samples(self.requests[r.request_id].params) for r in t.rows)
-        skey = self._step_sampler if self._step_sampler.needed else None
+        skey = sampler if sampler.needed else None
         return self.runner.share_outputs(out, self._crossing(key, skey, host_logits))
 
-    def _choose_tokens(self, t: StepTicket, out: dict | None) -> dict:
-        """The sampler's outputs for the step's rows (device samples, logprobs, biased or masked argmax; empty when
-        every token-choosing row is greedy without them: those commit from the model step's argmax). With stages in
-        several processes it runs in the last stage's process only (`out` None elsewhere; the inputs are still
-        made in every process: the grammar masks set each constrained row's step mask)."""
+    def _choose_tokens(self, t: StepTicket, out: dict | None) -> tuple[SamplerKey, dict]:
+        """-> (the step's sampler key, the sampler's outputs for the step's rows: device samples, logprobs, biased
+        or masked argmax; empty when every token-choosing row is greedy without them: those commit from the model
+        step's argmax). With stages in several processes it runs in the last stage's process only (`out` None
+        elsewhere; the inputs are still made in every process: the grammar masks set each constrained row's step
+        mask, and every process needs the key to know what crosses)."""
         params = [self.requests[r.request_id].params for r in t.rows if r.samples]
         # (the grammar masks also set each constrained row's step mask, which the host samples under)
         inputs, bias, mask = self._sampling_inputs(t), self._logit_bias(t), self._token_masks(t)
         key = SamplerKey(t.batch_size, None if inputs is None else inputs.masks, self._device_logprobs(params),
                          0 if bias is None else bias.ids.shape[1], mask is not None)
-        self._step_sampler = key
         if not key.needed or out is None:
-            return {}
+            return key, {}
         if key not in self._samplers:
             log.debug("new sampler key: %s", key.components())
             self.counters["sampler_compiles"] += 1
         packed = SamplerInputs.pack(inputs, bias, mask)  # one host->device copy for all of them
-        return self._samplers.call(key, (out["logits"], out["draft_logits"], self._on_last_stage(packed),
-                                         key.logprobs))
+        return key, self._samplers.call(key, (out["logits"], out["draft_logits"], self._on_last_stage(packed),
+                                              key.logprobs))
 
     def _compile_next_width(self, key: StepKey, batch: PackedBatch, targets):
         """After a decode step at page-table width W: have the same model step at width 2W compiled in the

@@ -129,10 +129,11 @@ class PipelineRunner:
                 if st.index != last:
                     x = out
                     hops.append(self._hop(out, st.index))
-        outputs = None
-        if self.multiprocess:  # a greedy step's outputs to every process (the engine adds the other sets it sends)
-            outputs = self.output_send(crossing_outputs(out, host_logits=False))
-        return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hops), outputs)
+        if self.multiprocess:
+            # compiled now and kept by output_send: a greedy step's outputs to every process (the engine compiles
+            # the other sets it sends: the samplers' outputs, the raw logits)
+            self.output_send(crossing_outputs(out, host_logits=False))
+        return StagePrograms(tuple(programs), (tuple(store_types), out), tuple(hops))
 
     def output_send(self, like: dict) -> Send:
         """The compiled collective that sends outputs of the types `like` (name -> array type) from the last
@@ -231,13 +232,12 @@ class StagePrograms(NamedTuple):
     what the step returns: out_info = (the stages' stores, the last stage's outputs), as a compiled single
     program's `out_info` (the engine compiles its samplers for those logits). With stages in several processes,
     the step's compiled collectives (multihost.Send): `hops[s]` hands stage s's hidden state to stage s + 1 when
-    one of the two is this process's and the other is not (else None); `outputs` sends the last stage's outputs
-    to every process in a greedy step (every output but the raw logits: PipelineRunner.output_send)."""
+    one of the two is this process's and the other is not (else None). (The last stage's outputs cross through
+    PipelineRunner.output_send, compiled here for a greedy step's set and kept there by types.)"""
 
     stages: tuple
     out_info: tuple
     hops: tuple = ()
-    outputs: Send | None = None
 
 
 def _output_devices(plan: StagePlan) -> tuple:
