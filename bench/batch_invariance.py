@@ -75,10 +75,7 @@ def model_config(args):
         cfg = tiny_config()
     else:
         with open(decode_step.REAL_CONFIG) as f:
-            cfg = from_hf_config(json.load(f))
-        layers = min(args.layers, cfg.num_hidden_layers)
-        cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
-                                  ple_layers=tuple(p for p in cfg.ple_layers if p < layers))
+            cfg = decode_step.cut_config(from_hf_config(json.load(f)), args.layers)
     return dataclasses.replace(cfg, num_experts=min(args.experts, cfg.num_experts))
 
 

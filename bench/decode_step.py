@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from bench.quant_matmul import copy_bandwidth, device_time
 from bench.results_io import save_result
 from flashnext_jax.config import from_hf_config
-from flashnext_jax.layer_stack import build_stacked_on_host, to_host
+from flashnext_jax.layer_stack import build_stacked_on_host, to_host, with_stacked_layers
 from flashnext_jax.model import Batch, forward, init_state
 from flashnext_jax.weights import _lists, _set, expected_tensors, fuse_projections, orient, param_path
 from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight
@@ -57,6 +57,22 @@ SCHEME = [
     (r"ple\.(key|value)_proj\.weight$", (8, 128)),
     (r"^(lm_head|embed_tokens)\.weight$", (8, 128)),
 ]
+
+
+def cut_config(cfg, layers: int, experts: int | None = None):
+    """cfg with its first `layers` decoder layers (and the PLE layers among them) and, given `experts`, that many
+    routed experts: the real model's layer kinds at a size a bench (or a test) can build."""
+    layers = min(layers, cfg.num_hidden_layers)
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
+                              ple_layers=tuple(p for p in cfg.ple_layers if p < layers))
+    return cfg if experts is None else dataclasses.replace(cfg, num_experts=min(experts, cfg.num_experts))
+
+
+def abstract_params(cfg, with_mtp: bool = False) -> dict:
+    """The params `build` would draw for cfg, layers stacked as api.Model stacks them, as types only
+    (jax.eval_shape): what lowering or compiling a step needs, with no weight drawn."""
+    return jax.eval_shape(lambda: with_stacked_layers(build(cfg, jax.random.key(0), stack=False,
+                                                            with_mtp=with_mtp)[0]))
 
 
 def scheme_of(name: str):

@@ -17,7 +17,6 @@ the bytes of hidden state crossing between the stages.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -44,10 +43,7 @@ SMOKE = bool(os.environ.get("PP_BENCH_SMOKE"))
 def model_of(layers: int, experts: int, dtype=jnp.bfloat16):
     with open(decode_step.DEMO_CONFIG if SMOKE else decode_step.REAL_CONFIG) as f:
         cfg = from_hf_config(json.load(f))
-    layers = min(layers, cfg.num_hidden_layers)
-    cfg = dataclasses.replace(cfg, num_experts=min(experts, cfg.num_experts), num_hidden_layers=layers,
-                              layer_types=cfg.layer_types[:layers],
-                              ple_layers=tuple(p for p in cfg.ple_layers if p < layers))
+    cfg = decode_step.cut_config(cfg, layers, experts)
     params, _, _ = decode_step.build(cfg, jax.random.key(0))
     jax.block_until_ready(params)
     return api.Model(cfg, params, table=None, dtype=dtype)

@@ -74,7 +74,6 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     types only (jax.eval_shape): no weight is drawn, so this costs seconds, and a kernel or a kernel choice that
     cannot lower fails here rather than in a device run's compile. (Lowering stops before XLA's own GPU passes:
     the host-offload copies of "qsa_kv_offload" are checked only as far as StableHLO.)"""
-    import dataclasses
     import json
 
     import jax
@@ -82,21 +81,15 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     from bench.engine_step import RandomPleRunner
     from flashnext_jax import api
     from flashnext_jax.config import from_hf_config
-    from flashnext_jax.layer_stack import with_stacked_layers
     from flashnext_jax.llm import LLM
 
     monkeypatch.setenv("FLASHNEXT_KERNELS", "pallas")  # the GPU's kernel choices, made on this CPU
     jax.clear_caches()
     with open(decode_step.REAL_CONFIG) as f:
-        cfg = from_hf_config(json.load(f))
-    layers = 4
-    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
-                              ple_layers=tuple(p for p in cfg.ple_layers if p < layers), num_experts=32)
+        cfg = decode_step.cut_config(from_hf_config(json.load(f)), 4, 32)
     assert len(set(cfg.layer_types)) == 2 and cfg.ple_layers  # GDN and QSA layers, and the PLE
     mtp = variant == "mtp"
-    params = jax.eval_shape(lambda: with_stacked_layers(
-        decode_step.build(cfg, jax.random.key(0), stack=False, with_mtp=mtp)[0]))
-    model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
+    model = api.Model(cfg, decode_step.abstract_params(cfg, with_mtp=mtp), table=None, dtype=jnp.bfloat16)
     extra = {"mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
              "qsa_kv_offload": dict(qsa_kv_offload=True)}.get(variant, {})
     lm = LLM(RandomPleRunner(model, int(mtp)), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024,

@@ -28,7 +28,6 @@ from bench import decode_step
 from flashnext_jax import api
 from flashnext_jax.config import from_hf_config
 from flashnext_jax.engine import Batch
-from flashnext_jax.layer_stack import with_stacked_layers
 from flashnext_jax.runner import RealRunner
 from flashnext_jax.state_store import StoreDims, init_store
 
@@ -46,10 +45,8 @@ def main():
     with open(decode_step.REAL_CONFIG) as f:
         cfg = dataclasses.replace(from_hf_config(json.load(f)), num_experts=args.experts)
     if args.layers:
-        n = args.layers
-        cfg = dataclasses.replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n],
-                                  ple_layers=tuple(p for p in cfg.ple_layers if p < n))
-    params = jax.eval_shape(lambda: with_stacked_layers(decode_step.build(cfg, jax.random.key(0), stack=False)[0]))
+        cfg = decode_step.cut_config(cfg, args.layers)
+    params = decode_step.abstract_params(cfg)
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
     runner = RealRunner(model)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
