@@ -14,14 +14,17 @@ host and only the selected blocks on the device; which of these a GPU backend lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.results_io import save_result  # noqa: E402
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -213,13 +216,9 @@ def main():
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
         print(f"{r['pattern']:24s} {str(r['compiles']):8s} {str(r['correct']):7s} {str(r['out_memory_kind']):12s} "
               f"{temp:>9s} {ms:>9s}  {r['error']}")
-    out = args.out or (os.path.join(os.environ["OUT"], "host_offload_probe.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(device=dev.device_kind, platform=dev.platform, jax_version=jax.__version__,
-                           memories=kinds, pool_bytes=pool_bytes, fetches=len(idx_np), unit=args.unit,
-                           device_fetch_ms=base, rows=rows), f, indent=1)
-        print("wrote", out)
+    if args.out or os.environ.get("OUT"):
+        print("wrote", save_result("host_offload_probe.json", rows, args.out, platform=dev.platform, memories=kinds,
+                                   pool_bytes=pool_bytes, fetches=len(idx_np), unit=args.unit, device_fetch_ms=base))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks docs/STATUS.md "Suggested order next" lists, grouped into device calls of <= 10 minutes (a fresh
+# machine costs ~90 s of device time; each call should hold as many checks as fit). Results land in $OUT.
+#   bash bench/device_checks.sh invariance   # issue 19: both modes at 4 layers with a decode profile; QSA splits
+#   bash bench/device_checks.sh offload      # issue 14 item 6: host-memory patterns, then the decode cost at 128K
+#   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
+# The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+set -u
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case "${1:-}" in
+  invariance)
+    timeout 330 python3 bench/batch_invariance.py --layers 4 --rounds 1 --steps 8 --profile-steps 4 \
+        --deadline-s 300 --out "$OUT/batch_invariance_4layers.json" > "$OUT/bi4.log" 2>&1
+    echo "batch_invariance rc=$?"; tail -n 25 "$OUT/bi4.log"
+    timeout 200 python3 bench/qsa_kernels.py --reps 5 --splits 4,8,16 --out "$OUT/qsa_kernels.json" \
+        > "$OUT/qsa_kernels.log" 2>&1
+    echo "qsa_kernels rc=$?"; tail -n 30 "$OUT/qsa_kernels.log" ;;
+  offload)
+    timeout 150 python3 tools/host_offload_probe.py --out "$OUT/host_offload_probe.json" > "$OUT/probe.log" 2>&1
+    echo "probe rc=$?"; tail -n 20 "$OUT/probe.log"
+    EXPERTS=256; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=512
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 400 python3 bench/qsa_offload.py --experts $EXPERTS \
+        --out "$OUT/qsa_offload.json" > "$OUT/qsa_offload.log" 2>&1
+    echo "qsa_offload rc=$?"; tail -n 20 "$OUT/qsa_offload.log" ;;
+  invariance12)
+    timeout 560 python3 bench/batch_invariance.py --layers 12 --rounds 1 --steps 8 --modes invariant \
+        --deadline-s 520 --out "$OUT/batch_invariance_12layers.json" > "$OUT/bi12.log" 2>&1
+    echo "batch_invariance rc=$?"; tail -n 25 "$OUT/bi12.log" ;;
+  *) echo "usage: $0 invariance|offload|invariance12" >&2; exit 2 ;;
+esac
