@@ -81,6 +81,19 @@ class RandomPleRunner(RealRunner):
                 out[b, : len(row.tokens)] = self._random_table[(np.asarray(row.tokens) * 7919 + pos) % self.TABLE_ROWS]
         return {"ple_rows": out}
 
+    # async scheduling: the same rows for a chained token, on the device
+    chain_context_len = 0
+
+    def place_chain_inputs(self) -> dict:
+        return {"table": jax.device_put(self._random_table)} if self.n_ple else {}
+
+    def chained_host_inputs(self, chain_params: dict, host: dict, tokens, positions, context, chained) -> dict:
+        if not self.n_ple:
+            return host
+        rows = chain_params["table"][(tokens * 7919 + positions) % self.TABLE_ROWS]
+        old = host["ple_rows"]
+        return host | {"ple_rows": old.at[:, 0].set(jnp.where(chained[:, None], rows.astype(old.dtype), old[:, 0]))}
+
 
 _PHASED = ("_build_batch", "_launch_model_step", "_choose_tokens", "_commit")
 

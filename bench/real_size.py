@@ -6,7 +6,9 @@ What runs: `LLM` over `RealRunner` (scheduler, tickets, store, kernels, commit: 
 real config with random weights in the INT4-Mixed layout (`decode_step.build`: all 512 routed experts by default,
 ~67 GB, and the MTP head in BF16 as the release stores it, ~5 GB; `--mtp-quantized`: the head in the decoder's
 scheme) and random PLE rows (`engine_step.RandomPleRunner`: no n-gram table at this size). One engine per MTP
-setting: "plain" (k = 0) for 4K and 32K, "mtp" (k = 1) for 4K; `--mtp-32k` adds an MTP engine for 32K.
+setting: "plain" (k = 0) for 4K and 32K, "mtp" (k = 1) for 4K; `--mtp-32k` adds an MTP engine for 32K;
+`--async-scheduling` adds "async", the plain engine's twin (its runner, pool and compiled steps) with
+EngineConfig.async_scheduling, run right after each plain configuration ("ratios": async_tokens_per_s_over_plain).
 
 The BF16 head's routed experts go through `moe.routed_experts_reference`, an XLA gather of every token's 10 experts
 (~0.1 GB per token): a prefill chunk of 8192 tokens would need ~1 TB, so the MTP engines prefill in chunks of
@@ -94,9 +96,9 @@ SUMMARY_KEYS = ("decode_tok_s_b1_4k", "decode_tok_s_b1_32k", "two_stream_aggrega
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 PATTERNS = ("all", "none", "alternate")
 # (engine, context, sampling) in the order they run, the summary's first, so that a --deadline-s cut drops the least
-ORDER = (("plain", "4k", "greedy"), ("mtp", "4k", "greedy"), ("plain", "4k", "sampled"), ("plain", "32k", "greedy"),
-         ("mtp", "4k", "sampled"), ("plain", "32k", "sampled"), ("mtp_32k", "32k", "greedy"),
-         ("mtp_32k", "32k", "sampled"))
+ORDER = (("plain", "4k", "greedy"), ("async", "4k", "greedy"), ("mtp", "4k", "greedy"), ("plain", "4k", "sampled"),
+         ("async", "4k", "sampled"), ("plain", "32k", "greedy"), ("async", "32k", "greedy"), ("mtp", "4k", "sampled"),
+         ("plain", "32k", "sampled"), ("mtp_32k", "32k", "greedy"), ("mtp_32k", "32k", "sampled"))
 
 _COMPILES: list[float] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -226,11 +228,12 @@ class WeightBytes:
 class Bench:
     """One engine of the run and what it measures."""
 
-    name: str  # "plain", "mtp", "mtp_32k"
+    name: str  # "plain", "mtp", "mtp_32k", "async"
     k: int  # MTP draft tokens
     contexts: tuple[str, ...]  # plan.contexts keys it decodes at
     chunk: int  # max_num_batched_tokens: its one prefill bucket
     lm: LLM | None = None
+    async_scheduling: bool = False  # "async": the plain engine's runner and shapes (its compiled steps), chained
 
     def keys(self, plan: Plan) -> list:
         """The model steps it compiles: the decode step of each B in the plan and the B = 1 prefill step."""
@@ -239,7 +242,7 @@ class Bench:
         return decode + [eng.decode_shapes()[0]._replace(tokens=self.chunk)]
 
 
-def make_llm(model, bench: Bench, plan: Plan) -> LLM:
+def make_llm(model, bench: Bench, plan: Plan, runner: RandomPleRunner | None = None) -> LLM:
     ps, longest = plan.page_size, max(plan.contexts[c] for c in bench.contexts)
     mml = longest + plan.decode_tokens
     warm = min(bench.chunk, mml - 3)  # Engine.warm_up's prompt
@@ -248,7 +251,8 @@ def make_llm(model, bench: Bench, plan: Plan) -> LLM:
     # every prompt's snapshots keep their pages; each decoding row adds its own (and a copied partial page); slack
     num_pages = pages(warm) + sum(pages(n) for n in prompts) + max(plan.batches) * (pages(plan.decode_tokens) + 2)
     num_pages += max(8, num_pages // 16)
-    return LLM(RandomPleRunner(model, bench.k), max_num_seqs=max(plan.batches), max_num_batched_tokens=bench.chunk,
+    return LLM(runner or RandomPleRunner(model, bench.k), max_num_seqs=max(plan.batches),
+               max_num_batched_tokens=bench.chunk, async_scheduling=bench.async_scheduling,
                max_model_len=mml, page_size=ps, num_pages=num_pages, num_snapshots=16,
                enable_prefix_caching=True, block_size=min(plan.contexts.values()),
                speculative_config={"method": "mtp", "num_speculative_tokens": bench.k} if bench.k else None,
@@ -401,10 +405,14 @@ def summarize(rows: list[dict], prefills: dict) -> tuple[dict, dict]:
             ratios["mtp_step_over_plain_step"][tag] = _ratio(r["ms_per_step"], get(base, "ms_per_step"))
             ratios["mtp_tokens_per_s_over_plain"][tag] = _ratio(r["tokens_per_s"], get(base, "tokens_per_s"))
         elif r["batch"] == 2:
-            one = plain(r["context"], 1, r["sampling"])
+            one = _find(rows, engine=r["engine"], context=r["context"], batch=1, sampling=r["sampling"])
             ratios["two_streams_over_one"][f"{r['context']}_{r['sampling']}"] = _ratio(r["tokens_per_s"],
                                                                                        get(one, "tokens_per_s"))
     ratios["decode_32k_over_4k_b1"] = _ratio(get(b1_32k, "ms_per_step"), get(b1, "ms_per_step"))
+    ratios["async_tokens_per_s_over_plain"] = {
+        f"{r['context']}_b{r['batch']}_{r['sampling']}": _ratio(r["tokens_per_s"], get(
+            plain(r["context"], r["batch"], r["sampling"]), "tokens_per_s"))
+        for r in rows if r["engine"] == "async" and "error" not in r}
     return summary, ratios
 
 
@@ -448,6 +456,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", default="1,2")
     ap.add_argument("--no-32k", action="store_true", help="skip the 32K context (its prefill and decode runs)")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP engine")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also the plain engine with async scheduling (EngineConfig.async_scheduling), beside it")
     ap.add_argument("--mtp-32k", action="store_true", help="also an MTP engine at 32K (2-3 more compiles)")
     ap.add_argument("--sampling", default="greedy,sampled", help="of " + ",".join(SAMPLINGS))
     ap.add_argument("--patterns", default=",".join(PATTERNS), help="MTP acceptance patterns, of " + ",".join(PATTERNS))
@@ -539,6 +549,9 @@ def main(argv=None) -> dict:
         benches.append(Bench("mtp_32k", 1, ("32k",), plan.mtp_chunk))
     for b in benches:
         b.lm = make_llm(model, b, plan)
+    if args.async_scheduling:  # the plain engine's twin (same runner, pool and widths: no compile of its own)
+        benches.append(Bench("async", 0, tuple(plan.contexts), plan.chunk, async_scheduling=True))
+        benches[-1].lm = make_llm(model, benches[-1], plan, runner=benches[0].lm.runner)
     compile_info = precompile(benches, plan, args.compile_threads)
 
     rng = np.random.default_rng(0)

@@ -44,6 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     # one prompt, one context: no background compiles of wider page tables it may never reach (and no wait at
     # exit for one)
     llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=1, compile_ahead=False, qsa_kv_offload=args.qsa_kv_offload,
+              async_scheduling=args.async_scheduling,
               speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
               **pipeline_kwargs(args))
     prompt = args.token_ids if args.token_ids is not None else llm.tokenizer.encode(args.prompt)
@@ -61,7 +62,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serving.cli import HelpWithDefaults, add_compilation_cache_flag, add_qsa_kv_offload_flag, add_serve_parser
+    from serving.cli import (HelpWithDefaults, add_async_scheduling_flag, add_compilation_cache_flag,
+                             add_qsa_kv_offload_flag, add_serve_parser)
 
     # -v before or after the subcommand: the subcommands share it (SUPPRESS: an absent -v there keeps the top's)
     verbose = argparse.ArgumentParser(add_help=False)
@@ -91,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="MTP draft tokens per step (0 = off); greedy output is unchanged by it, sampled output keeps "
                           "its distribution")
     add_qsa_kv_offload_flag(gen)
+    add_async_scheduling_flag(gen)
     add_compilation_cache_flag(gen)
     gen.set_defaults(func=_generate)
     add_serve_parser(sub, parents=[verbose])

@@ -27,10 +27,10 @@ from .page_pool import device_memory, size_pool
 from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
                               sample_tokens)
 from .multihost import Agreement
-from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
+from .scheduler import CHAINED, Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
-from .tickets import RowTicket, StepTicket
+from .tickets import RowTicket, StepTicket, TokenSource
 
 log = logging.getLogger("flashnext_jax.engine")
 
@@ -218,6 +218,26 @@ def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> C
     return run
 
 
+def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch, argmax, sample, src,
+                 context) -> PackedBatch:
+    """Async scheduling: a batch whose chained rows take their one input token from the previous step's outputs on
+    the device (argmax [B', K1], sample [B', K1] or None: the step before, still in flight or just done), and the
+    host inputs made from that token there (`runner.chained_host_inputs`: the PLE n-gram rows). src [B, 3] int32
+    per row of this batch: (row, column) of that token in the previous step's outputs (row -1: not chained),
+    sampled (1: the device sample, 0: the argmax), copied from the rows' tickets (tickets.TokenSource); context
+    [B, runner.chain_context_len] the tokens before it (-1 before the first). A small program of its own, traced
+    with 64-bit integers (the n-gram hash)."""
+    row, col, sampled = src[:, 0], src[:, 1], src[:, 2]
+    chained = row >= 0
+    at = (jnp.maximum(row, 0), col)
+    token = argmax[at]
+    if sample is not None:
+        token = jnp.where(sampled == 1, sample[at], token)
+    token = jnp.where(chained, token, batch.ints[:, 4]).astype(jnp.int32)
+    host = chained_host_inputs(chain_params, dict(batch.host), token, batch.ints[:, 3], context, chained)
+    return PackedBatch(batch.ints.at[:, 4].set(token), host, batch.num_tokens)
+
+
 def jitted_step(runner: ModelRunner, batch_invariant: bool = True) -> tuple[Any, StepCache, CompileAhead]:
     """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
     compiles: about a minute at the real model size, so the engine logs it), its compiled samplers (choose_tokens)
@@ -402,6 +422,13 @@ class EngineConfig:
     # the QSA layers' K/V pages in pinned host memory, fetched as the indexer selects them (qsa_offload.py): the
     # device keeps the indexer's keys only, for GPUs too small for the whole context's K/V
     qsa_kv_offload: bool = False
+    # overlap the host with the device (vLLM's --async-scheduling): a decode row is launched while its request's
+    # previous step is still in flight, its token taken from that step's device output (chain_tokens), so the
+    # host commits step n and builds step n + 1 while the device runs. Needs a runner without MTP (k = 0) and
+    # with `chained_host_inputs` (the n-gram table goes to the device), one process, no pipeline delay. Rows that
+    # need the host between steps (host sampling, grammars, images, a prefix snapshot) commit before their next
+    # step as without it; a row launched after its request's last token (EOS, stop string) is dropped unused.
+    async_scheduling: bool = False
 
 
 class Engine:
@@ -422,6 +449,9 @@ class Engine:
             runner = runner.with_qsa_kv_offload()
         if cfg.num_speculative_tokens > runner.k:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
+        self._chain_params = None
+        if cfg.async_scheduling:
+            self._chain_params = self._check_async(runner, cfg)
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order
         mml = cfg.max_model_len or runner.max_model_len
         if mml > runner.max_model_len:
@@ -453,7 +483,7 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets,
-                                               self._prefill_align(runner, cfg)),
+                                               self._prefill_align(runner, cfg), cfg.async_scheduling),
                                self.ledger)
         self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant)
         self._steps.set_limit(cfg.max_compiled_steps)
@@ -480,6 +510,25 @@ class Engine:
         self._widened: dict[StepKey, int] = {}  # decode keys _compile_next_width asked for -> evictions then
         self.grammar_compiler = grammar_compiler  # structured outputs (None: requests with a grammar are refused)
         self.grammars: dict[str, GrammarState] = {}  # request id -> its grammar state, while it runs
+
+    def _check_async(self, runner: ModelRunner, cfg: EngineConfig):
+        """Async scheduling's conditions (EngineConfig.async_scheduling); -> the runner's device inputs for chained
+        rows (placed before the KV pool is sized from the memory left)."""
+        why = None
+        if runner.k:
+            why = ("a runner with MTP (k > 0): a verify step's accepted count, and with it the next row's position "
+                   "and state column, is known only after its commit")
+        elif cfg.pipeline_delay or hasattr(runner, "pipeline_step") or getattr(runner, "multiprocess", False):
+            why = "pipeline stages (their steps already overlap through the pipeline delay)"
+        elif not hasattr(runner, "chained_host_inputs"):
+            why = f"{type(runner).__name__}, which cannot make a row's host inputs on the device (chained_host_inputs)"
+        if why:
+            raise ValueError(f"async scheduling is not available with {why}")
+        self._chain = jax.jit(functools.partial(chain_tokens, runner.chained_host_inputs))
+        params = runner.place_chain_inputs()
+        log.info("async scheduling: %.2f GB of chained-row inputs on the device",
+                 sum(a.nbytes for a in jax.tree_util.tree_leaves(params)) / 1e9)
+        return params
 
     def _size_pool(self, spec: StoreSpec, cfg: EngineConfig, slots: int, mml: int) -> int:
         pool = size_pool(spec, cfg.page_size, slots, cfg.num_snapshots, self.K1, mml, cfg.gpu_memory_utilization,
@@ -774,16 +823,21 @@ class Engine:
                 self._peers.launched()
             self.pending.append((ticket, out))
             self.counters["steps"] += 1
+            chains = self._set_chains(ticket) if self.cfg.async_scheduling else False
             if self.cfg.compile_ahead:
                 self._compile_next_width(key, batch, targets)
         elif self.pending:
-            self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
-            self.counters["bubbles"] += 1
+            if not self.cfg.async_scheduling:  # (async: the step in flight commits below, nothing to advance)
+                self.pending.append(None)  # a pipeline bubble: nothing launched, the pipe still advances
+                self.counters["bubbles"] += 1
         elif self.sched.waiting and not self.sched.running:
             raise RuntimeError(f"cannot admit request {self.sched.waiting[0].request_id!r}: not enough free "
                                f"pages/slots even with an idle engine (pool too small for its prompt?)")
         self.step_id += 1
-        while len(self.pending) > self.cfg.pipeline_delay:
+        # async scheduling: the step just launched stays uncommitted while every row of it may chain (its commit
+        # then runs while the device computes the next step); otherwise everything commits now
+        delay = (1 if plans and chains else 0) if self.cfg.async_scheduling else self.cfg.pipeline_delay
+        while len(self.pending) > delay:
             item = self.pending.popleft()
             if item is not None:
                 updated += self._commit(*item)
@@ -837,6 +891,20 @@ class Engine:
         return key, self._samplers.call(key, (out["logits"], out["draft_logits"], self._on_last_stage(packed),
                                               key.logprobs))
 
+    def _set_chains(self, t: StepTicket) -> bool:
+        """After launching step t: mark each request whose next decode row may take its token from this step's
+        device output (Request.chain, which the scheduler's _plan_chained reads). -> whether every row may."""
+        every = True
+        for r in t.rows:
+            req = self.requests[r.request_id]
+            p = req.params
+            sampled = device_sampled(p, 0)
+            ok = (r.samples and r.capture is None and not req.finished and req.images is None
+                  and r.request_id not in self.grammars and (p.device_argmax or sampled))
+            req.chain = TokenSource(t.step_id, r.row, r.n - 1 - r.base, sampled, r.start + r.n) if ok else None
+            every = every and ok
+        return every
+
     def _compile_next_width(self, key: StepKey, batch: PackedBatch, targets):
         """After a decode step at page-table width W: have the same model step at width 2W compiled in the
         background (once per key), so that it is ready when a row's context outgrows W. Only the model step: a
@@ -868,10 +936,10 @@ class Engine:
             p = plans[i]
             req = p.request
             self.ledger.begin_inflight(req.slot)
-            req.inflight = True
+            req.inflight += 1
             req.metrics["num_steps"] += 1
             rows.append(RowTicket(req.request_id, req.slot, row, p.start, p.tokens, p.num_drafts, p.samples,
-                                  max(len(p.tokens) - self.K1, 0), tuple(req.pages), p.capture))
+                                  max(len(p.tokens) - self.K1, 0), tuple(req.pages), p.capture, p.token_from))
         B = _bucket(max(len(rows), self.cfg.min_batch_bucket))
         return StepTicket(self.step_id, tuple(rows), B, self._token_bucket(max(r.n for r in rows)))
 
@@ -896,19 +964,42 @@ class Engine:
         start = np.zeros(B, np.int32)
         pt = np.full((B, MP), -1, np.int32)
         host_rows: list[HostRow | None] = [None] * B
+        chained = []
         for r in t.rows:
             req = self.requests[r.request_id]
             slot[r.row], gen[r.row] = r.slot.slot, r.slot.gen
-            tokens[r.row, : r.n] = r.tokens
             n_valid[r.row], start[r.row] = r.n, r.start
             pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
+            if r.token_from is not None:  # its token is on the device: chain_tokens fills it in, and its host inputs
+                chained.append(r)
+                continue
+            tokens[r.row, : r.n] = r.tokens
             host_rows[r.row] = HostRow(tuple(req.token_slice(max(0, r.start - 8), r.start)), r.start, r.tokens,
                                        req.images)
         self._last_rows = [(int(s), int(g)) for s, g in zip(slot, gen)]
         host = self.runner.host_prepare(host_rows, T)
         # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on
         # the H200 host (bench/results/engine_host_profile.json)
-        return jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
+        batch = jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
+        return self._chain_batch(batch, chained) if chained else batch
+
+    def _chain_batch(self, batch: PackedBatch, rows: list[RowTicket]) -> PackedBatch:
+        """The chained rows' tokens (and the host inputs made from them) from the previous step's device outputs."""
+        self.counters["chained_rows"] += len(rows)
+        prev_ticket, prev_out = self.pending[-1]
+        src = np.full((batch.ints.shape[0], 3), -1, np.int32)
+        C = self.runner.chain_context_len
+        context = np.full((batch.ints.shape[0], C), -1, np.int32)
+        for r in rows:
+            s = r.token_from
+            assert s.step_id == prev_ticket.step_id and s.position == r.start, (s, prev_ticket.step_id, r.start)
+            src[r.row] = (s.row, s.col, int(s.sampled))
+            if C:
+                before = self.requests[r.request_id].token_slice(max(0, r.start - C), r.start)
+                context[r.row, C - len(before):] = before
+        sample = prev_out.get("logits_sample")
+        with jax.enable_x64(True):  # the n-gram hash's 64-bit products
+            return self._chain(self._chain_params, batch, prev_out["logits_argmax"], sample, src, context)
 
     def _sampling_inputs(self, t: StepTicket) -> SamplingInputs | None:
         """Rows whose token this step samples on the device, with the index of that output token (fixed until the
@@ -917,8 +1008,8 @@ class Engine:
         k = self.cfg.num_speculative_tokens
         for r in t.rows:
             req = self.requests[r.request_id]
-            if r.samples and device_sampled(req.params, k):
-                rows[r.row] = (req.params, len(req.output))
+            if r.samples and device_sampled(req.params, k):  # a chained row's token follows its in-flight one
+                rows[r.row] = (req.params, len(req.output) + (r.token_from is not None))
         if not any(rows):
             return None
         return SamplingInputs.for_rows(rows, t.batch_size)
@@ -982,12 +1073,15 @@ class Engine:
         for r in ticket.rows:
             req = self.requests[r.request_id]
             self.ledger.end_inflight(r.slot)
-            req.inflight = False
+            req.inflight -= 1
+            if req.chain is not None and req.chain.step_id == ticket.step_id:
+                req.chain = None  # committed: its next row is planned from the host's tokens again
             if req.finished:  # aborted while this step was in flight
                 self.sched.retire(req)
-                if req.freed:
+                if req.freed and not req.inflight:
                     del self.requests[r.request_id]
-                updated.append(req)
+                if r.token_from is None:  # (a chained row after the last token: its request was reported already)
+                    updated.append(req)
                 continue
             ref = r.slot
             if self._bug_row_addressed_commit:  # the incident: address state by the row of the *latest* batch

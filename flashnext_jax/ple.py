@@ -104,6 +104,38 @@ class NgramHasher:
         return hist[-self.context_len :]
 
 
+def device_ngram_ids(hasher: NgramHasher, context: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`hasher.ids` for one new token per row, on the device: context [B, context_len] int (the tokens before it,
+    EOS-filled before a request's first token), tokens [B] -> [B, heads] int32 row ids. Async scheduling needs it:
+    a chained step's token exists only on the device. Trace it with 64-bit integers (`jax.enable_x64`): the hash
+    multiplies token ids by multipliers up to 2**63 / vocab."""
+    if not jax.config.read("jax_enable_x64"):
+        raise RuntimeError("device_ngram_ids must be traced under jax.enable_x64(True) (64-bit hash products)")
+    hist = jnp.concatenate([context.astype(jnp.int64), tokens.astype(jnp.int64)[:, None]], axis=1)
+    p = hist.shape[1] - 1  # the new token's position in hist
+    positions = jnp.arange(p, dtype=jnp.int64)
+    seg_start = jnp.max(jnp.where(hist[:, :p] == hasher.eos, positions, -1), axis=1) + 1  # after the last EOS
+    mix, heads = None, []
+    for j in range(hasher.ngram_size):
+        shifted = jnp.where(p - seg_start >= j, hist[:, p - j], hasher.eos)
+        term = shifted * jnp.int64(hasher.multipliers[j])
+        mix = term if mix is None else jnp.bitwise_xor(mix, term)
+        if j >= 1:
+            lo = (j - 1) * hasher.heads_per_ngram
+            sizes = jnp.asarray(hasher.sizes[lo: lo + hasher.heads_per_ngram])
+            offsets = jnp.asarray(hasher.offsets[lo: lo + hasher.heads_per_ngram])
+            heads.append(jnp.remainder(mix[:, None], sizes[None, :]) + offsets)
+    return jnp.concatenate(heads, axis=1).astype(jnp.int32)
+
+
+def device_gather_rows(table: jax.Array, ids: jax.Array, scale: float | None = None) -> jax.Array:
+    """`gather_rows` on a device-resident table: [..., heads] ids -> [..., heads * width]."""
+    flat = jnp.take(table, ids.reshape(-1), axis=0)
+    if scale is not None:
+        flat = flat.astype(jnp.float32) * jnp.float32(scale)
+    return flat.reshape(*ids.shape[:-1], -1)
+
+
 def gather_rows(table, ids: np.ndarray, scale: float | None = None) -> np.ndarray:
     """Host gather [..., heads] ids -> [..., heads * width] rows (the table may be an np.memmap)."""
     flat = np.asarray(table[ids.reshape(-1)])

@@ -32,7 +32,7 @@ from .mrope import SpanRope
 from .request_images import encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
 from .mtp import mtp_forward
-from .ple import gather_rows
+from .ple import device_gather_rows, device_ngram_ids, gather_rows
 from . import qsa_offload
 from .qsa_paged import SCORE_TILE_ELEMENTS, PagedKV
 from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
@@ -192,6 +192,33 @@ class RealRunner:
                                             self.model.table_scale)[0]
             out = np.zeros((len(rows), T, self._ple_row.shape[-1]), self._ple_row.dtype)
         return {"ple_rows": out}
+
+    # ---- protocol (optional): a chained step's host inputs on the device (async scheduling, engine.py)
+    @property
+    def chain_context_len(self) -> int:
+        """Tokens before a chained token that its host inputs read (the n-gram context)."""
+        return self.hasher.context_len if self.n_ple else 0
+
+    def place_chain_inputs(self) -> dict:
+        """What `chained_host_inputs` reads on the device: the n-gram table (the release's is ~51 GB: async
+        scheduling needs room for it beside the weights)."""
+        if not self.n_ple:
+            return {}
+        return {"ngram_table": jax.device_put(np.asarray(self.model.table))}
+
+    def chained_host_inputs(self, chain_params: dict, host: dict, tokens, positions, context, chained) -> dict:
+        """host_prepare's outputs with column 0 of the `chained` rows [B] made on the device from their token
+        tokens [B] (known only there, at `positions` [B]) and the tokens before it, context [B, chain_context_len]
+        (-1: before the request's first token). Traced with 64-bit integers (ple.device_ngram_ids)."""
+        if not self.n_ple:
+            return host
+        h = self.hasher
+        context = jnp.where(context < 0, h.eos, context)
+        rows = device_gather_rows(chain_params["ngram_table"], device_ngram_ids(h, context, tokens),
+                                  self.model.table_scale)
+        old = host["ple_rows"]
+        col0 = jnp.where(chained[:, None], rows.astype(old.dtype), old[:, 0])
+        return host | {"ple_rows": old.at[:, 0].set(col0)}
 
     # ---- protocol: logits of any position (prompt logprobs)
     def logits(self, params, hidden):

@@ -1,6 +1,8 @@
 """Continuous batching (vLLM-V1 style): running requests first (decodes and prefill chunks share a step), then
 FCFS admission; chunked prefill under `max_num_batched_tokens`; preemption by recompute when pages run out; a
-request with an uncommitted step is never scheduled again (per-request serialisation, invariant 5).
+request with an uncommitted step is never scheduled again (per-request serialisation, invariant 5), except, with
+async scheduling, once as a chained decode row: its input token is the in-flight step's device output
+(tickets.TokenSource), and the device runs the two steps in order on the same slot.
 
 The scheduler only plans; the engine turns a plan into immutable tickets and performs the device work.
 """
@@ -12,7 +14,10 @@ import enum
 from typing import Any
 
 from .state_store import SlotRef, SnapEntry, StoreLedger
-from .tickets import Capture
+from .tickets import Capture, TokenSource
+
+
+CHAINED = -1  # a chained row's input token: on the device only (RowPlan.token_from)
 
 
 class Status(enum.Enum):
@@ -38,7 +43,8 @@ class Request:
     draft_probs: list = dataclasses.field(default_factory=list)  # q(.) per draft (None when greedy)
     slot: SlotRef | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
-    inflight: bool = False
+    inflight: int = 0  # uncommitted steps holding the request (2 only with a chained row)
+    chain: TokenSource | None = None  # set while its in-flight step's token may feed a chained row (async)
     aborted: bool = False
     freed: bool = False  # the caller took its output (Engine.free_request): forget it once no step holds it
     stop_checker: Any = None  # callable(token_ids) -> bool for stop strings (set by the LLM layer)
@@ -87,6 +93,7 @@ class RowPlan:
     num_drafts: int
     samples: bool
     capture: Capture | None
+    token_from: TokenSource | None = None  # a chained row (async scheduling): tokens == (CHAINED,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,9 @@ class SchedulerConfig:
     # `cut_allowed`. The model computes whole aligned blocks of its prompt (GDN: 64-token chunks) in one piece only
     # when one step holds them, so a cut inside such a block would change the prompt's numbers. 1: anywhere.
     prefill_align: int = 1
+    # plan a decode row for a request whose step is still in flight, its token from that step's device output
+    # (the engine sets Request.chain where that is allowed)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -166,9 +176,12 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0 or len(plans) >= rows:
                 break
-            if req.inflight or req.finished or req.status is not Status.RUNNING:
+            if req.finished or req.status is not Status.RUNNING:
                 continue
-            plan = self._plan_running(req, budget)
+            if req.inflight:
+                plan = self._plan_chained(req) if self.cfg.async_scheduling and req.inflight == 1 else None
+            else:
+                plan = self._plan_running(req, budget)
             if plan is None:
                 continue
             if not self._ensure_pages(req, plan.start + len(plan.tokens), planned):
@@ -238,6 +251,23 @@ class Scheduler:
                     break
         return RowPlan(req, start, toks, nd, True, cap)
 
+    def _plan_chained(self, req: Request) -> RowPlan | None:
+        """A decode row after the request's in-flight step, whose output token (req.chain) is its input; None when
+        the request may not chain (the engine left req.chain unset) or that token may end it (max_tokens, length):
+        a chained row is wasted work when the request finishes at the token before it (EOS, a stop string)."""
+        src = req.chain
+        if src is None:
+            return None
+        start = src.position
+        assert start == req.num_tokens, (start, req.num_tokens)  # the in-flight step samples the next token
+        max_tokens = getattr(req.params, "max_tokens", None)
+        if (max_tokens is not None and len(req.output) + 2 > max_tokens) or start + 2 > self.cfg.max_model_len:
+            return None
+        cap = None
+        if self.cfg.enable_prefix_caching and (start + 1) % self.cfg.block_size == 0:
+            cap = Capture(offset=0, length=start + 1)
+        return RowPlan(req, start, (CHAINED,), 0, True, cap, src)
+
     def _pages_for(self, length: int) -> int:
         return -(-length // self.ledger.dims.page_size)
 
@@ -249,7 +279,7 @@ class Scheduler:
             if later:  # FCFS priority: the latest arrival gives its pages back (recompute later)
                 self.preempt(max(later, key=lambda r: r.arrival))
                 continue
-            if any(r is not req and r.inflight for r in self.running):
+            if req.inflight or any(r is not req and r.inflight for r in self.running):
                 return False  # an in-flight request cannot be preempted (its ticket holds it): wait a step
             self.preempt(req)  # the latest itself: step aside so earlier requests progress
             return False

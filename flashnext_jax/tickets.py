@@ -21,6 +21,19 @@ class Capture:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenSource:
+    """Where a chained row's input token is (async scheduling): column `col` of row `row` of step `step_id`'s
+    outputs, the token that step chose for the request (sampled on the device, else its argmax), at absolute
+    position `position`. Taken from that step's own ticket, so it names that step's outputs and nothing later."""
+
+    step_id: int
+    row: int
+    col: int
+    sampled: bool
+    position: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RowTicket:
     request_id: str
     slot: SlotRef
@@ -32,6 +45,7 @@ class RowTicket:
     base: int  # output column c holds the state after token base + c
     pages: tuple[int, ...]  # page table at scheduling time
     capture: Capture | None = None
+    token_from: TokenSource | None = None  # a chained row: its one input token is on the device (tokens == (-1,))
 
     @property
     def n(self) -> int:

@@ -43,6 +43,13 @@ def add_qsa_kv_offload_flag(p) -> None:
                         "docs/long-context.md)")
 
 
+def add_async_scheduling_flag(p) -> None:
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the previous one is committed, its tokens taken on the "
+                        "device, so the host's work overlaps the GPU's (vLLM's flag; not with MTP or pipeline "
+                        "stages; the n-gram table moves to the device: docs/real-size-decode.md)")
+
+
 def add_serve_parser(sub, parents=()) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", parents=list(parents),
                        formatter_class=HelpWithDefaults)
@@ -100,6 +107,7 @@ def add_serve_parser(sub, parents=()) -> None:
     add_pipeline_arguments(p)
     multihost.add_process_arguments(p)
     add_qsa_kv_offload_flag(p)
+    add_async_scheduling_flag(p)
     add_compilation_cache_flag(p)
     p.set_defaults(func=serve)
 
@@ -221,7 +229,8 @@ def serve(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
               precompile_sampling=[default_sampling(defaults)], limit_mm_per_prompt=args.limit_mm_per_prompt,
               allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels,
-              batch_invariant=args.batch_invariant, qsa_kv_offload=args.qsa_kv_offload, **pipeline_kwargs(args),
+              batch_invariant=args.batch_invariant, qsa_kv_offload=args.qsa_kv_offload,
+              async_scheduling=args.async_scheduling, **pipeline_kwargs(args),
               **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:
         if llm.tokenizer is None:

@@ -49,7 +49,7 @@ def test_forced_acceptance_restores_the_engine_functions():
 
 def test_tiny_run_writes_the_summary_and_forced_all_gives_two_tokens_per_step(tmp_path):
     out = tmp_path / "real_size.json"
-    real_size.main(["--tiny", "--compile-threads", "2", "--out", str(out)])
+    real_size.main(["--tiny", "--compile-threads", "2", "--async-scheduling", "--out", str(out)])
     result = json.loads(out.read_text())
     assert tuple(result["summary"]) == real_size.SUMMARY_KEYS
     assert all(v is not None for v in result["summary"].values()), result["summary"]
@@ -60,7 +60,9 @@ def test_tiny_run_writes_the_summary_and_forced_all_gives_two_tokens_per_step(tm
         assert r["tokens_per_step_per_row"] == pytest.approx(expected[r["pattern"]]), r
     assert {(r["engine"], r["context"], r["batch"]) for r in rows} == {
         ("plain", "4k", 1), ("plain", "4k", 2), ("plain", "32k", 1), ("plain", "32k", 2), ("mtp", "4k", 1),
-        ("mtp", "4k", 2)}
+        ("mtp", "4k", 2), ("async", "4k", 1), ("async", "4k", 2), ("async", "32k", 1), ("async", "32k", 2)}
+    assert set(result["ratios"]["async_tokens_per_s_over_plain"]) == {
+        "4k_b1_greedy", "4k_b2_greedy", "4k_b1_sampled", "4k_b2_sampled", "32k_b1_greedy", "32k_b2_greedy"}
     verify = next(r for r in rows if r["mtp"] and r["batch"] == 1 and r["sampling"] == "greedy" and r["pattern"] == "all")
     assert verify["profile"]["kernels_per_step"] > 0 and verify["acceptance"] == 1.0
     assert all(e["model_steps_compiled_in_runs"] == 0 for e in result["engines"].values())  # all precompiled

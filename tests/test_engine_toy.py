@@ -26,7 +26,7 @@ from state_machine import STEPS, EngineHarness, EngineMachine
 
 MAX_LEN = 32
 CFG = ToyConfig(vocab_size=64, max_model_len=MAX_LEN)
-RUNNERS = {1: ToyRunner(CFG, 1), 2: ToyRunner(CFG, 2)}
+RUNNERS = {0: ToyRunner(CFG, 0), 1: ToyRunner(CFG, 1), 2: ToyRunner(CFG, 2)}
 SHAPES = dict(min_batch_bucket=4, min_token_bucket=4, min_pool_capacity=(4, 64, 4))  # share compiled steps
 
 
@@ -37,15 +37,18 @@ class Harness(EngineHarness):
 
     vocab, max_prompt, corpus_len, drain_limit = 64, MAX_LEN - 1, MAX_LEN, 2000
 
-    def __init__(self, D, k, block, page, slots, budget, prefix, seed, tight_pages):
+    def __init__(self, D, k, block, page, slots, budget, prefix, seed, tight_pages, async_scheduling=False):
         super().__init__(seed, block)  # accept_p drawn from the seed
         mp = -(-MAX_LEN // page)
         pages = mp + (mp // 2 if tight_pages else mp * slots)
         self.engine_args = (k, budget, page)
-        self.eng = Engine(RUNNERS[max(k, 1)], EngineConfig(
+        # async scheduling (decode rows chained to their in-flight step) needs a runner without MTP and no delay
+        async_scheduling = async_scheduling and k == 0 and D == 0
+        self.eng = Engine(RUNNERS[0 if async_scheduling else max(k, 1)], EngineConfig(
             max_num_seqs=slots, num_slots=slots, max_num_batched_tokens=max(budget, k + 1), max_model_len=MAX_LEN,
             num_speculative_tokens=k, enable_prefix_caching=prefix, block_size=block, page_size=page,
-            num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, **SHAPES), draft_hook=self.hook)
+            num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, async_scheduling=async_scheduling,
+            **SHAPES), draft_hook=self.hook)
 
     def add(self, prompt, max_tokens, ignore_eos, stop_id, seed=None):
         stop = [stop_id] if stop_id is not None else None
@@ -80,9 +83,9 @@ class Harness(EngineHarness):
 class ToyEngineMachine(EngineMachine):
     @initialize(D=st.integers(0, 3), k=st.sampled_from([0, 1, 1, 2]), block=st.integers(2, 5),
                 page=st.sampled_from([2, 4]), slots=st.integers(1, 3), budget=st.integers(3, 12),
-                prefix=st.booleans(), seed=st.integers(0, 2**16), tight=st.booleans())
-    def setup(self, D, k, block, page, slots, budget, prefix, seed, tight):
-        self.h = Harness(D, k, block, page, slots, budget, prefix, seed, tight)
+                prefix=st.booleans(), seed=st.integers(0, 2**16), tight=st.booleans(), asyn=st.booleans())
+    def setup(self, D, k, block, page, slots, budget, prefix, seed, tight, asyn):
+        self.h = Harness(D, k, block, page, slots, budget, prefix, seed, tight, asyn)
 
     @rule(m=st.integers(0, 5), delta=st.sampled_from([-1, 0, 0, 1]), corpus=st.integers(0, 1),
           mutate=st.booleans(), max_tokens=st.integers(1, 12), ignore_eos=st.booleans(),
@@ -105,12 +108,15 @@ def _soak(total_steps, seed):
     """Random driver without shrinking: many configurations, >= total_steps engine steps, coverage counted."""
     rng = random.Random(seed)
     seen = {"preemptions": 0, "prefix_hits": 0, "snapshots": 0, "bubbles": 0, "aborts": 0, "accepted": 0,
-            "rejected": 0, "reuse": 0}
+            "rejected": 0, "reuse": 0, "chained_rows": 0}
     start = STEPS["n"]
     while STEPS["n"] - start < total_steps:
-        h = Harness(rng.randrange(4), rng.choice([0, 1, 2]), rng.randrange(2, 6), rng.choice([2, 4]),
-                    rng.randrange(1, 4), rng.randrange(3, 13), rng.random() < 0.7, rng.randrange(2**16),
-                    rng.random() < 0.5)
+        D, k = rng.randrange(4), rng.choice([0, 1, 2])
+        asyn = rng.random() < 0.5
+        if asyn:  # async scheduling's configurations (no delay, no MTP) as often as the others
+            D = k = 0
+        h = Harness(D, k, rng.randrange(2, 6), rng.choice([2, 4]), rng.randrange(1, 4), rng.randrange(3, 13),
+                    rng.random() < 0.7, rng.randrange(2**16), rng.random() < 0.5, asyn)
         for _ in range(rng.randrange(20, 60)):
             x = rng.random()
             if x < 0.25:
@@ -131,6 +137,7 @@ def _soak(total_steps, seed):
         seen["accepted"] += c["accepted"]
         seen["rejected"] += c["drafts"] - c["accepted"]
         seen["reuse"] += max(0, h.n - h.eng.cfg.num_slots)
+        seen["chained_rows"] += c["chained_rows"]
     return seen
 
 

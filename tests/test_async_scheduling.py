@@ -1,0 +1,134 @@
+"""Async scheduling (EngineConfig.async_scheduling): a decode row launched while its request's previous step is in
+flight, its token and PLE n-gram rows made on the device (engine.chain_tokens). Oracles: the same engine without
+it (every token and logprob), `Model.generate` run solo for greedy rows, and the host n-gram hasher for the
+device one. The toy model's state machine and soak (tests/test_engine_toy.py) drive it through random arrivals,
+aborts, preemption and prefix hits against the pure-Python fold."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashnext_jax as fj
+from flashnext_jax.config import from_hf_config
+from flashnext_jax.engine import Engine, EngineConfig
+from flashnext_jax.ple import NgramHasher, device_ngram_ids
+from flashnext_jax.runner import RealRunner
+
+MAX_LEN = 64
+SHAPES = dict(min_batch_bucket=4, min_token_bucket=8, min_pool_capacity=(4, 64, 64), page_size=8)
+REAL_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen38_text_config.json"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fj.load(dtype="float32")
+
+
+def _configs(model):
+    yield "demo", model.cfg
+    if REAL_CONFIG.is_file():
+        yield "real", from_hf_config(json.loads(REAL_CONFIG.read_text()))
+
+
+def test_device_ngram_ids_equal_the_host_hasher(model):
+    for name, cfg in _configs(model):
+        h = NgramHasher(cfg)
+        rng = np.random.default_rng(0)
+        B = 96
+        ctx = rng.integers(0, cfg.vocab_size, (B, h.context_len))
+        tok = rng.integers(0, cfg.vocab_size, B)
+        ctx[::5, 0] = h.eos  # EOS in the context and as the token: the n-gram segment rule
+        ctx[::7, -1] = h.eos
+        tok[::3] = h.eos
+        tok[1] = cfg.vocab_size - 1  # the largest products
+        expected = np.stack([h.ids(ctx[b], tok[b: b + 1])[-1] for b in range(B)])
+        with jax.enable_x64(True):
+            got = jax.jit(lambda c, t: device_ngram_ids(h, c, t))(jnp.asarray(ctx, jnp.int32),
+                                                                   jnp.asarray(tok, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), expected, err_msg=name)
+    with pytest.raises(RuntimeError, match="enable_x64"):
+        device_ngram_ids(h, jnp.zeros((1, h.context_len), jnp.int32), jnp.zeros((1,), jnp.int32))
+
+
+def _run(runner, requests, **cfg):
+    """requests: [(prompt, SamplingParams)] -> (outputs, logprobs, finish reasons, engine, times each request was
+    reported finished)."""
+    eng = Engine(runner, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16, batch_invariant=False,
+                                      **SHAPES,
+                                      **cfg))
+    for i, (prompt, params) in enumerate(requests):
+        eng.add_request(str(i), prompt, params)
+    reported = {str(i): 0 for i in range(len(requests))}
+    while eng.has_unfinished():
+        for req in eng.step():
+            reported[req.request_id] += req.finished
+    reqs = [eng.requests[str(i)] for i in range(len(requests))]
+    return ([r.output for r in reqs], [r.logprobs for r in reqs], [r.finish_reason for r in reqs], eng,
+            reported)
+
+
+PROMPTS = [[11, 42, 7, 300, 5, 19, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [400, 401], [77] * 9]
+
+
+def test_async_equals_sync_for_every_kind_of_row(model):
+    """Greedy (with logprobs), device-sampled, host-sampled (a penalty) and logit-biased rows side by side. A step
+    holding a row that needs the host before its next step (here the penalty's) commits at once, as without async
+    scheduling; once that request is done, the others chain."""
+    runner = RealRunner(model, 0)
+    SP = fj.SamplingParams
+    requests = [(PROMPTS[0], SP(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)),
+                (PROMPTS[1], SP(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)),
+                (PROMPTS[2], SP(temperature=0.0, repetition_penalty=1.3, max_tokens=4, ignore_eos=True)),
+                (PROMPTS[3], SP(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0}))]
+    sync = _run(runner, requests)
+    asyn = _run(runner, requests, async_scheduling=True)
+    assert asyn[0] == sync[0]
+    for a, b in zip(asyn[1], sync[1]):
+        assert [(t.token_id, round(t.logprob, 5), t.top) for t in a] == \
+            [(t.token_id, round(t.logprob, 5), t.top) for t in b]
+    assert sync[0][0] == model.generate(PROMPTS[0], 12)  # and the engine equals the model run alone
+    assert asyn[3].counters["chained_rows"] >= 3 * 6 and sync[3].counters["chained_rows"] == 0
+    assert asyn[3].counters["steps"] == sync[3].counters["steps"]  # the host-sampled row did not slow down
+
+
+def test_a_request_ending_before_its_chained_row_is_reported_once_and_freed(model):
+    """The chained row launched after a request's last token (EOS / a stop id / a stop string) is dropped: the
+    output ends where the sync engine's does, the request is reported finished once, its slot and pages return."""
+    runner = RealRunner(model, 0)
+    free = _run(runner, [(PROMPTS[0], fj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))])[0][0]
+    stop = free[4]  # a token it generates: the request ends there
+    requests = [(PROMPTS[0], fj.SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])),
+                (PROMPTS[1], fj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    sync = _run(runner, requests)
+    asyn = _run(runner, requests, async_scheduling=True)
+    assert asyn[0] == sync[0] and asyn[2] == sync[2] == ["stop", "length"]
+    assert asyn[0][0] == free[: free.index(stop) + 1]
+    assert asyn[4] == {"0": 1, "1": 1}
+    assert asyn[3].usage()["slots_used"] == 0 and asyn[3].ledger.num_free_slots() == asyn[3].cfg.num_slots
+
+
+def test_async_with_prefix_caching_equals_sync(model):
+    """A row that publishes a prefix snapshot commits before its request's next row (the snapshot copies the
+    slot's state); hits on those snapshots give the same tokens."""
+    runner = RealRunner(model, 0)
+    p = PROMPTS[1]
+    params = fj.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    requests = [(p, params), (p + [5, 6], params), (p[:9], params)]
+    kw = dict(enable_prefix_caching=True, block_size=4)
+    sync = _run(runner, requests, **kw)
+    asyn = _run(runner, requests, async_scheduling=True, **kw)
+    assert asyn[0] == sync[0]
+    assert asyn[3].ledger.stats["prefix_hits"] > 0 and asyn[3].counters["chained_rows"] > 0
+
+
+def test_async_scheduling_refuses_what_it_cannot_chain(model):
+    with pytest.raises(ValueError, match="MTP"):
+        Engine(RealRunner(model, 1), EngineConfig(max_model_len=MAX_LEN, num_speculative_tokens=1,
+                                                  async_scheduling=True, **SHAPES))
+    with pytest.raises(ValueError, match="pipeline"):
+        Engine(RealRunner(model, 0), EngineConfig(max_model_len=MAX_LEN, pipeline_delay=1, async_scheduling=True,
+                                                  **SHAPES))
