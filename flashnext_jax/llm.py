@@ -58,7 +58,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
 
     if isinstance(model, ToyConfig) or model == "toy":
         cfg = model if isinstance(model, ToyConfig) else ToyConfig()
-        return ToyRunner(cfg, max(k, 1)), tokenizer or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
+        return ToyRunner(cfg, k), tokenizer or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
     if hasattr(model, "store_spec") and hasattr(model, "step"):  # a ModelRunner instance
         return model, tokenizer
     from . import api
@@ -78,7 +78,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
     tok = dir_tokenizer(path)
     if (path / "toy_config.json").is_file():  # a toy checkpoint directory (tests, server smoke tests)
         cfg = ToyConfig(**json.loads((path / "toy_config.json").read_text()))
-        return ToyRunner(cfg, max(k, 1)), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
+        return ToyRunner(cfg, k), tok or toy_tokenizer(cfg.vocab_size, cfg.eos_token_id)
     loaded = api.load(path, dtype=dtype, device=device)
     runner = RealRunner(loaded, k, **images) if isinstance(loaded, api.Model) else loaded
     if not (hasattr(runner, "store_spec") and hasattr(runner, "step") and hasattr(runner, "host_prepare")):

@@ -132,3 +132,35 @@ def test_async_scheduling_refuses_what_it_cannot_chain(model):
     with pytest.raises(ValueError, match="pipeline"):
         Engine(RealRunner(model, 0), EngineConfig(max_model_len=MAX_LEN, pipeline_delay=1, async_scheduling=True,
                                                   **SHAPES))
+
+
+def test_server_with_async_scheduling_answers_as_without():
+    """`flashnext serve --async-scheduling`'s engine behind the OpenAI API (the toy model, the openai client):
+    streamed and whole answers, greedy and seeded sampled with stop strings, equal the server without it."""
+    import openai
+
+    from flashnext_jax.llm import LLM
+    from serving.app import create_app
+    from serving_harness import uvicorn_server
+
+    def answers(async_scheduling):
+        llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                  async_scheduling=async_scheduling)
+        with uvicorn_server(create_app(llm, "toy")) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            kw = dict(model="toy", max_tokens=12, extra_body={"ignore_eos": True})
+            greedy = client.completions.create(prompt=["w3 w4", "w9", "w5 w6 w7"], temperature=0, **kw)
+            streamed = ["", "", ""]
+            for chunk in client.completions.create(prompt=["w3 w4", "w9", "w5 w6 w7"], temperature=0, stream=True,
+                                                   **kw):
+                for c in chunk.choices:
+                    streamed[c.index] += c.text
+            sampled = client.completions.create(prompt="w3 w14", temperature=1.0, seed=3, stop=["w1"], **kw)
+            counters = dict(llm.engine.counters)
+        return ([c.text for c in greedy.choices], streamed, sampled.choices[0].text,
+                sampled.choices[0].finish_reason), counters
+
+    sync, _ = answers(False)
+    asyn, counters = answers(True)
+    assert asyn == sync and sync[0] == sync[1]
+    assert counters["chained_rows"] > 0

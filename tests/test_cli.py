@@ -41,6 +41,10 @@ def test_generate_samples_reproducibly_and_mtp_keeps_the_greedy_output():
     assert output_ids(run(*BASE, "--num-speculative-tokens", "1")) == output_ids(run(*BASE))
 
 
+def test_async_scheduling_keeps_the_output():
+    assert output_ids(run(*SAMPLED, "--seed", "3", "--async-scheduling")) == output_ids(run(*SAMPLED, "--seed", "3"))
+
+
 @pytest.mark.slow
 def test_other_seeds_sample_other_tokens_and_seeded_mtp_repeats_itself():
     """Another seed gives other tokens, and a seeded MTP run repeats itself (its rejection sampling draws from
@@ -55,7 +59,8 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path):
     for args in (["generate", "--token-ids", "1,2,99999"],
                  ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
                  ["generate", "--token-ids", "1,2", "--temperature", "-1"],
-                 ["generate", "--token-ids", "1,2", "--top-p", "0"]):
+                 ["generate", "--token-ids", "1,2", "--top-p", "0"],
+                 ["generate", "--token-ids", "1,2", "--async-scheduling", "--num-speculative-tokens", "1"]):
         proc = run(*args)
         assert proc.returncode != 0
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:"), proc.stderr
