@@ -10,17 +10,25 @@ moves to the device only what its attention reads, one QSA layer at a time, and 
   4 rows each) into a small device pool and runs the usual `sparse_attention` over it; a prefill chunk, whose
   queries together read most of their row, fetches each row's written pages instead, one row at a time.
 
-Only single slices cross between the memories (a `dynamic_slice` of the host pool moved with `device_put`, a
-device value moved to the host and `dynamic_update_slice`d into it): the patterns XLA streams between host and
-device inside loops. A gather or scatter on a host operand does not even trace in JAX 0.11.2
-(tools/host_offload_probe.py). The attention reads the same values as from the device pools, so the tokens and
-logits are those of the on-device path (tests/test_qsa_offload.py).
+The fetches (`fetch`: a decode step's blocks, the pages a write patches) are ONE gather per pool and layer,
+computed on the host (`compute_on("device_host")`, tools/host_offload_probe.py `take_compute_on_host`, here in
+windows of rows rather than single rows): the (small) index array goes to host memory, the host gathers the
+blocks out of the pinned pool, and the result crosses to the device in one copy. A plain gather (`jnp.take`)
+of the host operand inside the device program does not trace in JAX 0.11.2 (its operands' memory spaces differ);
+the compute_on one does, and on an H100 it fetched 509 blocks of 4 rows from a 128K-token pool in 0.377 ms where
+a scan of one `dynamic_slice` + `device_put` per block took 3.85 ms (bench/results/host_offload_probe_h100.json).
+The writes stay single slices (a device value moved to the host and `dynamic_update_slice`d into the donated
+pool, the probe's `write_fori_dus`: the compute_on scatter took 20.7 ms there), and so do a prefill chunk's
+per-row page reads (a loop whose trip count follows the row's attended pages, where a gather's size would be the
+whole page-table width). The attention reads the same values as from the device pools, so the tokens and logits
+are those of the on-device path (tests/test_qsa_offload.py).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
 
 from pallas_kernels import qsa_sparse
 
@@ -41,13 +49,33 @@ def supported(device=None) -> bool:
 
 def fetch(pool, layer: int, page, row, rows: int):
     """Rows `row .. row + rows - 1` of page `page` (int32 arrays of one shape S) of layer `layer` of a host pool
-    [P, page, n_layers, kv, hd] -> [*S, rows, kv, hd] on the device, one slice per entry (a scan)."""
-    def one(carry, at):
-        part = jax.lax.dynamic_slice(pool, (at[0], at[1], layer, 0, 0), (1, rows, 1, *pool.shape[3:]))
-        return carry, jax.device_put(part, DEVICE)[0, :, 0]
+    [P, page, n_layers, kv, hd] -> [*S, rows, kv, hd] on the device: one gather computed on the host.
 
-    _, out = jax.lax.scan(one, 0, (page.reshape(-1), row.reshape(-1)))
-    return out.reshape(*page.shape, *out.shape[1:])
+    Each entry is a window of `rows` rows, its start taken as a `dynamic_slice` takes it (the scan of slices
+    this replaces): a negative index counts from the end, then the window is clamped into the pool. The callers
+    pass only valid windows (pages in the pool, the null page for unmapped ones; rows a whole page or a block
+    inside one), so this only guards. The index array is built on the device and moved to the host: constants
+    made inside the host computation would be device values there, which it cannot mix."""
+    page, row = _slice_start(page, pool.shape[0], 1), _slice_start(row, pool.shape[1], rows)
+    at = jnp.stack([page, row, jnp.full_like(page, layer)], axis=-1)
+    return jax.device_put(_gather_on_host(pool, jax.device_put(at, HOST), rows), DEVICE)
+
+
+def _slice_start(i, size: int, window: int):
+    """Start indices as `dynamic_slice` reads them: negative from the end, clamped so the window fits."""
+    i = i.astype(jnp.int32)
+    return jnp.clip(jnp.where(i < 0, i + size, i), 0, size - window)
+
+
+def _gather_on_host(pool, at, rows: int):
+    """The windows pool[at[..., 0], at[..., 1] : at[..., 1] + rows, at[..., 2]] ([*S, rows, kv, hd]) of a host pool
+    by host-resident start indices at [*S, 3] (in range), gathered on the host and left in host memory."""
+    s = at.ndim - 1
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(s, s + 1, s + 2), collapsed_slice_dims=(0, 2),
+                                          start_index_map=(0, 1, 2))
+    gather = lambda p, i: jax.lax.gather(p, i, dims, (1, rows, 1, *p.shape[3:]),  # noqa: E731
+                                         mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return compute_on(compute_type="device_host", out_memory_spaces=HOST)(gather)(pool, at)
 
 
 def write_entries(pool, layer: int, page_table, positions, write, values):

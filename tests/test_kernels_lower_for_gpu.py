@@ -79,7 +79,7 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     import jax
     from bench import decode_step
     from bench.engine_step import RandomPleRunner
-    from flashnext_jax import api
+    from flashnext_jax import api, qsa_offload
     from flashnext_jax.config import from_hf_config
     from flashnext_jax.llm import LLM
 
@@ -92,7 +92,14 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     model = api.Model(cfg, decode_step.abstract_params(cfg, with_mtp=mtp), table=None, dtype=jnp.bfloat16)
     extra = {"mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
              "qsa_kv_offload": dict(qsa_kv_offload=True)}.get(variant, {})
-    lm = LLM(RandomPleRunner(model, int(mtp)), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=1024,
+    # the offload's page table is wide enough that its decode steps fetch their chosen blocks (one host gather per
+    # pool, qsa_offload.fetch) while its prefill chunks read their rows' pages: at 1,024 tokens (16 pages) a decode
+    # step's 513 blocks of 4 rows would hold more rows than the table and it would read pages too
+    offload = variant == "qsa_kv_offload"
+    max_len = 4096 if offload else 1024
+    assert not offload or qsa_offload.fetches_blocks(1, 1, cfg.block_topk + 1, cfg.indexer_compress_ratio,
+                                                     max_len // 64, 64)
+    lm = LLM(RandomPleRunner(model, int(mtp)), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=max_len,
              page_size=64, block_size=64, num_pages=40, num_snapshots=2, enable_prefix_caching=False,
              prefill_buckets=(256,), page_table_width="max", compile_ahead=False, batch_invariant=batch_invariant,
              **extra)

@@ -61,6 +61,26 @@ def test_layer_offloaded_equals_on_device_in_both_fetch_modes():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)  # NaN (poison) alike
 
 
+def test_fetch_is_one_host_gather_that_reads_as_dynamic_slices():
+    """fetch's windows equal a dynamic_slice each (the scan it replaced), out-of-range starts included (negative
+    from the end, then clamped), for block-sized and page-sized windows; the jitted program gathers on the host
+    once (compute_on) and holds no while loop of slices."""
+    pool = jax.device_put(jax.random.normal(jax.random.key(1), (9, 16, 3, 2, 8), jnp.float32), HOST)
+    rng = np.random.default_rng(1)
+    for shape, rows, layer in [((2, 3, 5), 4, 1), ((3, 2), 16, 2), ((7,), 4, 0)]:
+        page = jnp.asarray(rng.integers(-12, 12, shape), jnp.int32)
+        row = jnp.asarray(rng.integers(-20, 20, shape), jnp.int32)
+        f = jax.jit(qsa_offload.fetch, static_argnums=(1, 4))
+        got = f(pool, layer, page, row, rows)
+        assert got.shape == (*shape, rows, 2, 8) and got.sharding.memory_kind == "device"
+        want = np.stack([np.asarray(jax.lax.dynamic_slice(pool, (p, r, layer, 0, 0), (1, rows, 1, 2, 8)))[0, :, 0]
+                         for p, r in zip(page.reshape(-1).tolist(), row.reshape(-1).tolist())])
+        np.testing.assert_array_equal(np.asarray(got), want.reshape(got.shape))
+        text = f.lower(pool, layer, page, row, rows).as_text()
+        assert text.count("call @compute_on") == text.count('"stablehlo.gather"') == 1
+        assert "stablehlo.while" not in text
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return fj.load(FIXTURES / "tiny_causal", dtype="float32")
