@@ -41,7 +41,8 @@ class Leaf:
     """One state tensor: per-slot (or per-token for pages) shape, dtype, initial value and poison value. A page leaf
     may hold one entry per `tokens_per_row` tokens (the QSA indexer's block keys: one per block of 4 tokens), so
     its pages have page_size / tokens_per_row rows, and may live in pinned host memory (`memory_kind`; the
-    offloaded QSA K/V, qsa_offload.py: steps and store ops move single pages of it, never gather or scatter)."""
+    offloaded QSA K/V, qsa_offload.py: steps read it through a gather computed on the host and write single pages
+    back; store ops move single pages)."""
 
     shape: tuple[int, ...]
     dtype: Any
