@@ -524,7 +524,11 @@ class Engine:
             why = f"{type(runner).__name__}, which cannot make a row's host inputs on the device (chained_host_inputs)"
         if why:
             raise ValueError(f"async scheduling is not available with {why}")
-        self._chain = jax.jit(functools.partial(chain_tokens, runner.chained_host_inputs))
+        # one compiled program per argument types (rows, previous rows, width, sampled or not), at most as many
+        # as the samplers kept (step_cache.py: a jax.jit would keep every one it compiled)
+        self._chains = StepCache(functools.partial(chain_tokens, runner.chained_host_inputs),
+                                 cfg.max_compiled_samplers, donate_argnums=(), name="chain_tokens",
+                                 log_level=logging.DEBUG, batch_invariant=cfg.batch_invariant)
         params = runner.place_chain_inputs()
         log.info("async scheduling: %.2f GB of chained-row inputs on the device",
                  sum(a.nbytes for a in jax.tree_util.tree_leaves(params)) / 1e9)
@@ -631,6 +635,10 @@ class Engine:
             else:
                 log.debug("compiling %s", key.describe())
                 self._compile_sampler(key, keys)
+        if self.cfg.async_scheduling:  # a chained decode step after a step of as many rows, sampled or not
+            for key in keys:
+                if key.tokens == self._decode_tokens:
+                    self._compile_chains(key)
         if self._multiprocess:  # the outputs' collectives of these parameters' steps (a greedy step's: above)
             for key in keys:
                 for p in sampling_params:
@@ -649,6 +657,17 @@ class Engine:
                                                 self.runner.host_prepare([None] * b, t)))
         targets = jax.device_put(z(b, t)) if key.prompt_logprobs else None
         return abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(targets)
+
+    def _compile_chains(self, key: StepKey):
+        """The chain_tokens programs a decode step of `key` takes after a step of as many rows (greedy rows only,
+        and with device-sampled ones), typed as the engine's calls are: the compiled model step's outputs."""
+        b = key.rows
+        _, _, batch, _ = self._abstract_args(key)
+        argmax = self._steps.compile(key, self._abstract_args(key)).out_info[1]["logits_argmax"]
+        src = jax.ShapeDtypeStruct((b, 3), jnp.int32)
+        context = jax.ShapeDtypeStruct((b, self.runner.chain_context_len), jnp.int32)
+        for sample in (None, argmax):
+            self._run_chain((abstract(self._chain_params), batch, argmax, sample, src, context), compile_only=True)
 
     def _compile_sampler(self, key: SamplerKey, model_keys: Sequence[StepKey]):
         """Compile a sampler for the logits of a model step of its rows: their types, placement included, are that
@@ -997,9 +1016,21 @@ class Engine:
             if C:
                 before = self.requests[r.request_id].token_slice(max(0, r.start - C), r.start)
                 context[r.row, C - len(before):] = before
-        sample = prev_out.get("logits_sample")
+        return self._run_chain((self._chain_params, batch, prev_out["logits_argmax"], prev_out.get("logits_sample"),
+                                src, context))
+
+    def _run_chain(self, args: tuple, compile_only: bool = False):
+        """chain_tokens on `args` (arrays, or their types with compile_only), compiled once per argument types."""
+        types = abstract(args)  # as jit sees them: the sharding only of arrays committed to a device
+        key = ("chain_tokens", jax.tree_util.tree_structure(types), tuple(
+            (a.shape, a.dtype, a.sharding) for a in jax.tree_util.tree_leaves(types)))
         with jax.enable_x64(True):  # the n-gram hash's 64-bit products
-            return self._chain(self._chain_params, batch, prev_out["logits_argmax"], sample, src, context)
+            if compile_only:
+                return self._chains.compile(key, args)
+            if key not in self._chains:
+                self.counters["chain_compiles"] += 1
+                log.debug("new chain_tokens key: %s", key[2])
+            return self._chains.call(key, args)
 
     def _sampling_inputs(self, t: StepTicket) -> SamplingInputs | None:
         """Rows whose token this step samples on the device, with the index of that output token (fixed until the

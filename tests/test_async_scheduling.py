@@ -164,3 +164,24 @@ def test_server_with_async_scheduling_answers_as_without():
     asyn, counters = answers(True)
     assert asyn == sync and sync[0] == sync[1]
     assert counters["chained_rows"] > 0
+
+
+def test_precompile_compiles_the_chain_programs_of_the_decode_steps():
+    """With precompile, requests whose decode steps follow steps of as many rows compile no chain_tokens program
+    (a compile in a request's path stalls every stream); the programs are bounded (a StepCache)."""
+    from flashnext_jax.llm import LLM
+
+    llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, async_scheduling=True,
+              precompile=True)
+    eng = llm.engine
+    assert len(eng._chains) > 0 and eng.counters["chain_compiles"] == 0  # all compiled by precompile
+    SP = fj.SamplingParams
+    outs = llm.generate([[3, 4, 5], [9, 8], [5, 6, 7, 1], [2]],
+                        [SP(temperature=0.0, max_tokens=8, ignore_eos=True),
+                         SP(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True),
+                         SP(temperature=0.0, max_tokens=8, ignore_eos=True),
+                         SP(temperature=0.8, seed=2, max_tokens=8, ignore_eos=True)])
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert eng.counters["chained_rows"] > 0
+    assert eng.counters["chain_compiles"] == 0
+    assert len(eng._chains) <= eng._chains.limit
