@@ -185,3 +185,14 @@ def test_precompile_compiles_the_chain_programs_of_the_decode_steps():
     assert eng.counters["chained_rows"] > 0
     assert eng.counters["chain_compiles"] == 0
     assert len(eng._chains) <= eng._chains.limit
+
+
+def test_the_ngram_table_goes_to_the_device_in_slices_or_a_clear_error(monkeypatch):
+    from flashnext_jax import page_pool
+    from flashnext_jax.runner import table_to_device
+
+    table = np.random.default_rng(0).integers(-100, 100, (1000, 24)).astype(np.int8)
+    np.testing.assert_array_equal(np.asarray(table_to_device(table, slice_bytes=24 * 300)), table)  # 4 slices
+    monkeypatch.setattr(page_pool, "device_memory", lambda device=None: (100_000, 80_000))
+    with pytest.raises(ValueError, match="n-gram table on the device .* --async-scheduling"):
+        table_to_device(table)
