@@ -4,6 +4,7 @@
 #   bash bench/device_checks.sh invariance   # issue 19: both modes at 4 layers with a decode profile; QSA splits
 #   bash bench/device_checks.sh offload      # issue 14 item 6: host-memory patterns, then the decode cost at 128K
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
+#   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 set -u
@@ -30,5 +31,10 @@ case "${1:-}" in
     timeout 560 python3 bench/batch_invariance.py --layers 12 --rounds 1 --steps 8 --modes invariant \
         --deadline-s 520 --out "$OUT/batch_invariance_12layers.json" > "$OUT/bi12.log" 2>&1
     echo "batch_invariance rc=$?"; tail -n 25 "$OUT/bi12.log" ;;
-  *) echo "usage: $0 invariance|offload|invariance12" >&2; exit 2 ;;
+  async)
+    # --experts 32: the same bytes per decode step as 512 (each token reads its top-10), a minute less to build
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 560 python3 bench/real_size.py --experts 32 --no-mtp \
+        --async-scheduling --deadline-s 480 --out "$OUT/real_size_async.json" > "$OUT/real_size_async.log" 2>&1
+    echo "real_size rc=$?"; grep -v "compiling engine steps" "$OUT/real_size_async.log" | tail -n 25 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async" >&2; exit 2 ;;
 esac
