@@ -27,7 +27,7 @@ from .page_pool import device_memory, size_pool
 from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
                               sample_tokens)
 from .multihost import Agreement
-from .scheduler import CHAINED, Request, RowPlan, Scheduler, SchedulerConfig, Status
+from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
 from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
 from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
 from .tickets import RowTicket, StepTicket, TokenSource
@@ -1107,7 +1107,7 @@ class Engine:
             req.inflight -= 1
             if req.chain is not None and req.chain.step_id == ticket.step_id:
                 req.chain = None  # committed: its next row is planned from the host's tokens again
-            if req.finished:  # aborted while this step was in flight
+            if req.finished:  # aborted while this step was in flight, or a chained row after its last token
                 self.sched.retire(req)
                 if req.freed and not req.inflight:
                     del self.requests[r.request_id]

@@ -57,9 +57,8 @@ def test_device_ngram_ids_equal_the_host_hasher(model):
 def _run(runner, requests, **cfg):
     """requests: [(prompt, SamplingParams)] -> (outputs, logprobs, finish reasons, engine, times each request was
     reported finished)."""
-    eng = Engine(runner, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16, batch_invariant=False,
-                                      **SHAPES,
-                                      **cfg))
+    eng = Engine(runner, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16,
+                                      batch_invariant=False, **SHAPES, **cfg))
     for i, (prompt, params) in enumerate(requests):
         eng.add_request(str(i), prompt, params)
     reported = {str(i): 0 for i in range(len(requests))}
