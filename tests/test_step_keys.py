@@ -12,7 +12,7 @@ from flashnext_jax.sampling import SamplingParams
 from flashnext_jax.toy_model import ToyConfig, solo_greedy
 
 CFG = ToyConfig(vocab_size=64, max_model_len=64)
-# one row bucket (4), one page-table width, token buckets 2 (decode: 1 + the toy's draft column) and 8 (prefill)
+# one row bucket (4), one page-table width, token buckets 1 (decode: no MTP, so no draft column) and 8 (prefill)
 SHAPES = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, prefill_buckets=(8,), min_batch_bucket=4,
               page_size=16, block_size=16, page_table_width="max", compile_ahead=False)
 PROMPTS = [[5, 9, 3, 7, 11], [2, 7, 1, 8, 2, 8, 1], [3, 1, 4, 1, 5, 9], [1, 4, 1, 4, 2], [6, 2, 8, 3]]
@@ -40,9 +40,9 @@ def test_sampling_variants_do_not_compile_the_model_step_again():
     eng = llm.engine
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(VARIANTS))]
     batched = llm.generate(prompts, VARIANTS)
-    # every step was 4 rows x (2 or 8 tokens) at the one width: two model steps for all eight variants
+    # every step was 4 rows x (1 or 8 tokens) at the one width: two model steps for all eight variants
     assert eng._steps.counters["compiled"] == 2, eng._steps.keys()
-    assert {(k.rows, k.tokens, k.page_table_width) for k in eng._steps.keys()} == {(4, 2, 4), (4, 8, 4)}
+    assert {(k.rows, k.tokens, k.page_table_width) for k in eng._steps.keys()} == {(4, 1, 4), (4, 8, 4)}
     assert eng._samplers.counters["compiled"] >= 4  # the variants compiled samplers instead
     solo = [llm.generate([p], [v])[0] for p, v in zip(prompts, VARIANTS)]  # each alone (padding rows around it)
     for b, s in zip(batched, solo, strict=True):
