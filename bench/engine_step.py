@@ -87,12 +87,10 @@ class RandomPleRunner(RealRunner):
     def place_chain_inputs(self) -> dict:
         return {"table": jax.device_put(self._random_table)} if self.n_ple else {}
 
-    def chained_host_inputs(self, chain_params: dict, host: dict, tokens, positions, context, chained) -> dict:
+    def chained_host_inputs(self, chain_params: dict, tokens, positions, context) -> dict:
         if not self.n_ple:
-            return host
-        rows = chain_params["table"][(tokens * 7919 + positions) % self.TABLE_ROWS]
-        old = host["ple_rows"]
-        return host | {"ple_rows": old.at[:, 0].set(jnp.where(chained[:, None], rows.astype(old.dtype), old[:, 0]))}
+            return {}
+        return {"ple_rows": chain_params["table"][(tokens * 7919 + positions) % self.TABLE_ROWS]}
 
 
 _PHASED = ("_build_batch", "_launch_model_step", "_choose_tokens", "_commit")

@@ -222,7 +222,8 @@ def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch
                  context) -> PackedBatch:
     """Async scheduling: a batch whose chained rows take their one input token from the previous step's outputs on
     the device (argmax [B', K1], sample [B', K1] or None: the step before, still in flight or just done), and the
-    host inputs made from that token there (`runner.chained_host_inputs`: the PLE n-gram rows). src [B, 3] int32
+    host inputs made from that token there (`runner.chained_host_inputs`: the PLE n-gram rows, which replace column 0
+    of the chained rows' host inputs of those names). src [B, 3] int32
     per row of this batch: (row, column) of that token in the previous step's outputs (row -1: not chained),
     sampled (1: the device sample, 0: the argmax), copied from the rows' tickets (tickets.TokenSource); context
     [B, runner.chain_context_len] the tokens before it (-1 before the first). A small program of its own, traced
@@ -234,7 +235,11 @@ def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch
     if sample is not None:
         token = jnp.where(sampled == 1, sample[at], token)
     token = jnp.where(chained, token, batch.ints[:, 4]).astype(jnp.int32)
-    host = chained_host_inputs(chain_params, dict(batch.host), token, batch.ints[:, 3], context, chained)
+    host = dict(batch.host)
+    for name, value in chained_host_inputs(chain_params, token, batch.ints[:, 3], context).items():
+        old = host[name]
+        keep = chained.reshape(-1, *([1] * (old.ndim - 2)))
+        host[name] = old.at[:, 0].set(jnp.where(keep, value.astype(old.dtype), old[:, 0]))
     return PackedBatch(batch.ints.at[:, 4].set(token), host, batch.num_tokens)
 
 
@@ -451,7 +456,7 @@ class Engine:
             raise ValueError(f"the model drafts at most {runner.k} tokens, asked for {cfg.num_speculative_tokens}")
         self._chain_params = None
         if cfg.async_scheduling:
-            self._chain_params = self._check_async(runner, cfg)
+            self._chain_params = self._set_up_async(runner, cfg)
         self.runner, self.draft_hook, self.row_order = runner, draft_hook, row_order
         mml = cfg.max_model_len or runner.max_model_len
         if mml > runner.max_model_len:
@@ -511,9 +516,9 @@ class Engine:
         self.grammar_compiler = grammar_compiler  # structured outputs (None: requests with a grammar are refused)
         self.grammars: dict[str, GrammarState] = {}  # request id -> its grammar state, while it runs
 
-    def _check_async(self, runner: ModelRunner, cfg: EngineConfig):
-        """Async scheduling's conditions (EngineConfig.async_scheduling); -> the runner's device inputs for chained
-        rows (placed before the KV pool is sized from the memory left)."""
+    def _set_up_async(self, runner: ModelRunner, cfg: EngineConfig):
+        """Async scheduling (EngineConfig.async_scheduling): its conditions checked, its programs' cache made;
+        -> the runner's device inputs for chained rows (placed before the KV pool is sized from the memory left)."""
         why = None
         if runner.k:
             why = ("a runner with MTP (k > 0): a verify step's accepted count, and with it the next row's position "

@@ -230,19 +230,17 @@ class RealRunner:
             return {}
         return {"ngram_table": table_to_device(self.model.table, memory_fraction)}
 
-    def chained_host_inputs(self, chain_params: dict, host: dict, tokens, positions, context, chained) -> dict:
-        """host_prepare's outputs with column 0 of the `chained` rows [B] made on the device from their token
-        tokens [B] (known only there, at `positions` [B]) and the tokens before it, context [B, chain_context_len]
-        (-1: before the request's first token). Traced with 64-bit integers (ple.device_ngram_ids)."""
+    def chained_host_inputs(self, chain_params: dict, tokens, positions, context) -> dict:
+        """host_prepare's outputs for one token per row [B], made on the device (the token is known only there, at
+        `positions` [B]; context [B, chain_context_len]: the tokens before it, -1 before the request's first):
+        name -> [B, ...], column 0 of the chained rows (engine.chain_tokens). Traced with 64-bit integers
+        (ple.device_ngram_ids)."""
         if not self.n_ple:
-            return host
+            return {}
         h = self.hasher
         context = jnp.where(context < 0, h.eos, context)
-        rows = device_gather_rows(chain_params["ngram_table"], device_ngram_ids(h, context, tokens),
-                                  self.model.table_scale)
-        old = host["ple_rows"]
-        col0 = jnp.where(chained[:, None], rows.astype(old.dtype), old[:, 0])
-        return host | {"ple_rows": old.at[:, 0].set(col0)}
+        return {"ple_rows": device_gather_rows(chain_params["ngram_table"], device_ngram_ids(h, context, tokens),
+                                               self.model.table_scale)}
 
     # ---- protocol: logits of any position (prompt logprobs)
     def logits(self, params, hidden):

@@ -242,14 +242,16 @@ class Scheduler:
             # and with sampling so would the tokens (isolation, invariant 11). Wait for the next step instead.
             return None
         toks = (req.last_token, *req.drafts[:nd])
-        cap = None
+        return RowPlan(req, start, toks, nd, True, self._decode_capture(start, len(toks)))
+
+    def _decode_capture(self, start: int, n: int) -> Capture | None:
+        """The prefix snapshot a decode row of n tokens from `start` publishes: after its last token that ends a
+        block (with prefix caching), if any."""
         if self.cfg.enable_prefix_caching:
-            bs = self.cfg.block_size
-            for j in range(len(toks) - 1, -1, -1):
-                if (start + j + 1) % bs == 0:
-                    cap = Capture(offset=j, length=start + j + 1)
-                    break
-        return RowPlan(req, start, toks, nd, True, cap)
+            for j in range(n - 1, -1, -1):
+                if (start + j + 1) % self.cfg.block_size == 0:
+                    return Capture(offset=j, length=start + j + 1)
+        return None
 
     def _plan_chained(self, req: Request) -> RowPlan | None:
         """A decode row after the request's in-flight step, whose output token (req.chain) is its input; None when
@@ -263,10 +265,7 @@ class Scheduler:
         max_tokens = getattr(req.params, "max_tokens", None)
         if (max_tokens is not None and len(req.output) + 2 > max_tokens) or start + 2 > self.cfg.max_model_len:
             return None
-        cap = None
-        if self.cfg.enable_prefix_caching and (start + 1) % self.cfg.block_size == 0:
-            cap = Capture(offset=0, length=start + 1)
-        return RowPlan(req, start, (CHAINED,), 0, True, cap, src)
+        return RowPlan(req, start, (CHAINED,), 0, True, self._decode_capture(start, 1), src)
 
     def _pages_for(self, length: int) -> int:
         return -(-length // self.ledger.dims.page_size)

@@ -202,11 +202,9 @@ class ToyRunner:
     def place_chain_inputs(self) -> dict:
         return {"ngram_table": jnp.asarray(self.table)}
 
-    def chained_host_inputs(self, chain_params: dict, host: dict, tokens, positions, context, chained) -> dict:
+    def chained_host_inputs(self, chain_params: dict, tokens, positions, context) -> dict:
         context = jnp.where(context < 0, self.cfg.pad_id, context)
-        g = chain_params["ngram_table"][ngram_id(context[:, 0], context[:, 1], tokens)]
-        old = host["ngram_rows"]
-        return host | {"ngram_rows": old.at[:, 0].set(jnp.where(chained, g.astype(old.dtype), old[:, 0]))}
+        return {"ngram_rows": chain_params["ngram_table"][ngram_id(context[:, 0], context[:, 1], tokens)]}
 
     def logits(self, params, hidden):
         """The step's "hidden" output (the head value h of each position) -> float logits [..., V]."""
