@@ -45,6 +45,15 @@ belongs to the combine), against a down kernel that issues 3x the instructions (
 issue-bound; it was 5.8 us, memory / latency bound). Launches per call: 2 kernels + 1 XLA fusion, was 2 + 3.
 To A/B on the GPU: fused_glue True / False, and a smaller splits_gate_up with fused_glue.
 A repeated expert is read once per pair that selects it (at decode the top-k are distinct per token).
+
+Fixed variant (`routed_experts_gemv_fixed`, `path="gemv_fixed"`), for batch-invariant steps
+(pallas_kernels/fixed_order.py, docs/batch-invariance.md: a token's output must be bitwise the same whatever other
+tokens share its call); the engine sends generated tokens through it at every M (flashnext_jax/token_kinds.py).
+Each pair is already its own program, so what the decode path lets M choose is the tiling and the XLA glue: the
+fixed variant takes both kernels' split-K and BN as for ONE token (pairs = k), whatever M, sums the gate/up split
+partials in `fixed_order.pairwise_sum` before silu(g) * u, and combines in fixed pairwise trees: over the down
+splits, then (times the routing weight, fp32) over the k slots, then the cast. XLA's reduce and dot may order such
+sums by the shape; elementwise adds in a fixed tree give every token the expression of its 1-token call.
 """
 
 from __future__ import annotations
@@ -78,7 +87,7 @@ class MoEConfig:
 # pair routed to it. Larger batches keep the tiles, which read each expert once (M = 64: 729 us, M = 512: 1077 us;
 # the GEMV was not measured there).
 MOE_GEMV_MAX_PAIRS = 320
-MOE_PATHS = ("auto", "tiles", "gemv")
+MOE_PATHS = ("auto", "tiles", "gemv", "gemv_fixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,6 +433,10 @@ def _moe_gemv_down_kernel(ids_ref, h_ref, *refs, bits, group_size, n_planes, gro
     o_ref[...] = y
 
 
+# The fixed path's tiling rule (routed_experts_gemv_fixed), resolved for one token (pairs = k) at every M.
+GEMV_FIXED_CONFIG = MoEGemvConfig()
+
+
 def check_moe_gemv(x_shape, ids_shape, w_gate_up, w_down, cfg: MoEGemvConfig) -> tuple[int, int, int, int]:
     """Raises ValueError (TypeError for unquantized weights) with the reason when the GEMV decode path cannot
     take these shapes / this config; returns (bn_gate_up, splits_gate_up, bn_down, splits_down) resolved."""
@@ -551,20 +564,48 @@ def routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up: QuantizedWeigh
     return weighted.sum(axis=(0, 2)).astype(x.dtype)
 
 
+def routed_experts_gemv_fixed(x, expert_ids, expert_weights, w_gate_up: QuantizedWeight | LayerSlice,
+                              w_down: QuantizedWeight | LayerSlice, *, interpret: bool = False) -> jax.Array:
+    """The decode path's batch-invariant variant (module docstring): any M, token m's output bitwise the 1-token
+    call's on row m. The tiling is GEMV_FIXED_CONFIG's for one token; the glue (fused_glue=False) adds in
+    fixed pairwise trees. ValueError for shapes the GEMV path cannot take."""
+    cfg = GEMV_FIXED_CONFIG
+    _check_moe_operands(x.shape, expert_ids.shape, w_gate_up, w_down, "the GEMV path")
+    m, h = x.shape
+    k = expert_ids.shape[1]
+    bn1, s1, bn2, s2 = check_moe_gemv((1, h), (1, k), w_gate_up, w_down, cfg)  # one token's tiling, every M
+    w_gate_up, w_down, offset = _flat_experts(w_gate_up, w_down)
+    ids = expert_ids.reshape(m * k).astype(jnp.int32) + offset
+    opts = gemv_call_options(cfg, interpret)
+    gu = _gemv_gate_up(x, ids, k, w_gate_up, bn1, s1, opts)
+    if s1 > 1:
+        gsum = fixed_order.pairwise_sum(gu, axis=0)  # [P, 2, I]: (gate, up)
+        gu = _silu_mul(gsum[:, 0], gsum[:, 1], x.dtype)
+    y = fixed_order.pairwise_sum(_gemv_down(gu, ids, None, w_down, bn2, s2, x.dtype, opts), axis=0)  # [P, H]
+    weighted = y.reshape(m, k, h) * expert_weights.astype(jnp.float32)[..., None]
+    return fixed_order.pairwise_sum(weighted, axis=1).astype(x.dtype)
+
+
 def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl: str | None = None,
                    config: MoEConfig | MoEGemvConfig | None = None, path: str = "auto") -> jax.Array:
     """Routed expert MLP, [M, H] in x.dtype. Plain (unquantized) [E, ...] weights take the reference path.
 
     impl: None (FLASHNEXT_KERNELS, default 'auto'), 'auto', 'pallas', 'interpret' or 'reference'.
     path (kernel impls only): 'auto' (the GEMV decode path when M*k <= MOE_GEMV_MAX_PAIRS, else the sorted
-    tiles), 'tiles' or 'gemv'; config is a MoEConfig (tiles) or a MoEGemvConfig (gemv)."""
+    tiles), 'tiles', 'gemv' or 'gemv_fixed' (routed_experts_gemv_fixed, the batch-invariant decode path for any M;
+    a fixed tiling, so no config); config is a MoEConfig (tiles) or a MoEGemvConfig (gemv)."""
     if path not in MOE_PATHS:
         raise ValueError(f"path must be one of {MOE_PATHS}, got {path!r}")
+    if path == "gemv_fixed" and config is not None:
+        raise ValueError("path='gemv_fixed' runs a fixed tiling (GEMV_FIXED_CONFIG for one token): no config")
     mode = resolve_impl(impl)
     kinds = (QuantizedWeight, LayerSlice)
     quantized = isinstance(w_gate_up, kinds) and isinstance(w_down, kinds)
     if mode == "reference" or not quantized:
         return routed_experts_reference(x, expert_ids, expert_weights, unstacked(w_gate_up), unstacked(w_down))
+    if path == "gemv_fixed":
+        return routed_experts_gemv_fixed(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                         interpret=(mode == "interpret"))
     if path == "auto" and fixed_order.enabled() and config is None:
         # batch-invariant traces: one path and one tiling for every M (the GEMV path and the tile sizes each round
         # a row differently; pallas_kernels/fixed_order.py). A MoEConfig makes "auto" below take the tiles.

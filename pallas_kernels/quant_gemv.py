@@ -48,6 +48,18 @@ the tensor cores to amortise, so plain FMAs on register tiles are faster. No ten
   loop-carried uint8 tensor is split into bytes and re-packed for the asm. Default grid: >= 528 programs (1056
   for matrices of >= 16M weights, see default_gemv_config).
 * Split-K: fp32 partials [splits, M, N] summed by XLA; splits = 1 writes y in x.dtype directly.
+
+Fixed variant (`quant_matmul_gemv_fixed`), for batch-invariant steps (pallas_kernels/fixed_order.py,
+docs/batch-invariance.md: a token's result must be bitwise the same whatever other rows share its matmul). The
+engine sends generated tokens through it at every M and prompt tokens through the tensor-core kernel, so a
+token's rounding follows its kind, never the step's shape. What the fast entry point lets M choose is fixed:
+the config is M = 1's (`fixed_gemv_config`: rows 16, its split-K and BN), tokens run in tiles of TM = 1 (M = 1)
+or 2 rows (x zero-padded), TM being one more grid axis, and the split partials are added in a fixed pairwise tree
+(`fixed_order.pairwise_sum`; XLA's reduce may order them by the shape). TM does not touch a token's arithmetic:
+`gemv_accumulate` keeps one chain of FMAs per token, so row i of any M equals the 1-row call on x[i:i+1].
+The token tile is grid axis 0, the fastest in CUDA's launch order: the programs that read one weight tile (one
+per TM rows) are launched back to back, so all but the first should find it in L2 (not yet measured on a GPU).
+The fast entry point runs the same pallas_call with its M rows as one token tile.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import fixed_order
 from pallas_kernels.quant_layout import (LayerSlice, QuantizedWeight, check_dense_operands, is_pow2, kernel_operands,
                                          pow2_divisor, weight_spec)
 
@@ -265,7 +278,7 @@ def _gemv_kernel(x_ref, *refs, bits, group_size, n_planes, m, groups_per_split, 
     plane_refs = refs[:n_planes]
     s_ref, o_ref = refs[n_planes], refs[n_planes + 1]
     bn = o_ref.shape[-1]
-    g0 = pl.program_id(1) * groups_per_split
+    g0 = pl.program_id(2) * groups_per_split  # grid (token tile, column tile, split)
 
     def load_plane(ctx, ti, pi, r0, nr):
         return plane_refs[pi][pl.ds(r0, nr), :]
@@ -284,11 +297,13 @@ def _gemv_kernel(x_ref, *refs, bits, group_size, n_planes, m, groups_per_split, 
         o_ref[mi, :] = jnp.sum(accs[0][mi], axis=0).astype(o_ref.dtype)
 
 
-def check_gemv_shape(x_shape, w: QuantizedWeight) -> None:
-    """Raises ValueError with the reason when the GEMV kernel cannot take these shapes (any config)."""
+def check_gemv_shape(x_shape, w: QuantizedWeight, max_m: int | None = GEMV_MAX_M) -> None:
+    """Raises ValueError with the reason when the GEMV kernel cannot take these shapes (any config); max_m None:
+    any M >= 1 (the fixed variant's token tiles)."""
     check_dense_operands(x_shape, w, "GEMV kernel")
-    if not 1 <= x_shape[0] <= GEMV_MAX_M:
-        raise ValueError(f"the GEMV kernel takes 1 <= M <= {GEMV_MAX_M} rows of x, got M={x_shape[0]}")
+    if x_shape[0] < 1 or (max_m is not None and x_shape[0] > max_m):
+        bound = "" if max_m is None else f" <= {max_m}"
+        raise ValueError(f"the GEMV kernel takes 1 <= M{bound} rows of x, got M={x_shape[0]}")
     if w.n % 16:
         raise ValueError(f"the GEMV kernel needs N to be a multiple of 16, got N={w.n}")
 
@@ -352,37 +367,68 @@ def gemv_call_options(cfg, interpret: bool) -> dict:
                        "sync_loads": cfg.sync_loads and not interpret}}
 
 
-def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: GemvConfig | None = None,
-                      interpret: bool = False) -> jax.Array:
-    """y [M, N] = x @ dequant(w) with the CUDA-core GEMV kernel (M <= GEMV_MAX_M); ValueError otherwise.
-    A LayerSlice is read in place from its stacked arrays."""
-    check_gemv_shape(x.shape, w)
+def fixed_gemv_config(k: int, n: int, bits: int, group_size: int) -> GemvConfig:
+    """The config of `quant_matmul_gemv_fixed` at every M: the fast mode's config for one token (rows 16, its
+    split-K and BN), so that a generated token alone runs the fast mode's kernel. It depends on K, N and the format
+    only: a token's additions (split boundaries, rows per chunk, BN) must not follow M."""
+    return default_gemv_config(1, k, n, bits, group_size)
+
+
+def _gemv_pallas_call(x, w: QuantizedWeight | LayerSlice, cfg: GemvConfig, tm: int, interpret: bool,
+                      name: str) -> jax.Array:
+    """The GEMV kernel over the grid (token tile of tm rows of x, column tile, split): y [M, N] in x.dtype when
+    cfg.splits == 1, else the fp32 partials [splits, M, N]. M must be a multiple of tm."""
     m, k = x.shape
     n, g = w.n, w.group_size
     n_groups = k // g
-    cfg = config or default_gemv_config(m, k, n, w.bits, g)
-    check_gemv_config(cfg, m, k, n, w.bits, g)
     planes, scales, layer = kernel_operands(w)
-    split_out = cfg.splits > 1
-    grid = (n // cfg.bn, cfg.splits)
-    in_specs = [pl.BlockSpec((m, k), lambda j, s: (0, 0))]
-    in_specs += [weight_spec(pl, (p.shape[-2], cfg.bn), lambda j, s: (0, j), layer) for p in planes]
-    in_specs += [weight_spec(pl, (n_groups, cfg.bn), lambda j, s: (0, j), layer)]
-    if split_out:
+    grid = (m // tm, n // cfg.bn, cfg.splits)
+    in_specs = [pl.BlockSpec((tm, k), lambda i, j, s: (i, 0))]
+    in_specs += [weight_spec(pl, (p.shape[-2], cfg.bn), lambda i, j, s: (0, j), layer) for p in planes]
+    in_specs += [weight_spec(pl, (n_groups, cfg.bn), lambda i, j, s: (0, j), layer)]
+    if cfg.splits > 1:
         out_shape = jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, m, cfg.bn), lambda j, s: (s, 0, j))
+        out_spec = pl.BlockSpec((None, tm, cfg.bn), lambda i, j, s: (s, i, j))
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-        out_spec = pl.BlockSpec((m, cfg.bn), lambda j, s: (0, j))
+        out_spec = pl.BlockSpec((tm, cfg.bn), lambda i, j, s: (i, j))
     opts = gemv_call_options(cfg, interpret)
     kernel = functools.partial(
-        _gemv_kernel, bits=w.bits, group_size=g, n_planes=len(planes), m=m,
+        _gemv_kernel, bits=w.bits, group_size=g, n_planes=len(planes), m=tm,
         groups_per_split=n_groups // cfg.splits, rows=opts["rows"], prefetch=cfg.prefetch, **opts["kernel"])
-    y = pl.pallas_call(
+    return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         interpret=interpret, compiler_params=opts["params"],
-        name=f"quant_gemv_w{w.bits}g{g}_m{m}_bn{cfg.bn}_s{cfg.splits}_r{cfg.rows}_u{cfg.unroll}_{cfg.fields}",
+        name=f"{name}_w{w.bits}g{g}_m{tm}_bn{cfg.bn}_s{cfg.splits}_r{cfg.rows}_u{cfg.unroll}_{cfg.fields}",
     )(x, *planes, scales)
-    if split_out:
+
+
+def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: GemvConfig | None = None,
+                      interpret: bool = False) -> jax.Array:
+    """y [M, N] = x @ dequant(w) with the CUDA-core GEMV kernel (M <= GEMV_MAX_M; all M rows in one token tile);
+    ValueError otherwise. A LayerSlice is read in place from its stacked arrays."""
+    check_gemv_shape(x.shape, w)
+    m, k = x.shape
+    cfg = config or default_gemv_config(m, k, w.n, w.bits, w.group_size)
+    check_gemv_config(cfg, m, k, w.n, w.bits, w.group_size)
+    y = _gemv_pallas_call(x, w, cfg, m, interpret, "quant_gemv")
+    if cfg.splits > 1:
         y = y.sum(axis=0).astype(x.dtype)
+    return y
+
+
+def quant_matmul_gemv_fixed(x: jax.Array, w: QuantizedWeight | LayerSlice, *, interpret: bool = False) -> jax.Array:
+    """y [M, N] = x @ dequant(w) for any M >= 1, each row bitwise what the 1-row call on it gives (the fixed
+    variant, module docstring): `fixed_gemv_config`, token tiles of TM = 1 (M = 1) or 2 rows, split partials in
+    `fixed_order.pairwise_sum`. ValueError for shapes the GEMV kernel cannot take. A LayerSlice is read in place."""
+    check_gemv_shape(x.shape, w, max_m=None)
+    m, k = x.shape
+    cfg = fixed_gemv_config(k, w.n, w.bits, w.group_size)
+    tm = 1 if m == 1 else 2
+    check_gemv_config(cfg, tm, k, w.n, w.bits, w.group_size)
+    rows = -(-m // tm) * tm
+    xp = x if rows == m else jnp.pad(x, ((0, rows - m), (0, 0)))
+    y = _gemv_pallas_call(xp, w, cfg, tm, interpret, "quant_gemv_fixed")[..., :m, :]
+    if cfg.splits > 1:
+        y = fixed_order.pairwise_sum(y, axis=0).astype(x.dtype)
     return y

@@ -30,6 +30,8 @@ bench/results/quant_matmul.json and bench/results/quant_sweep.json (device time 
 
 Batch-invariant traces (`fixed_order.enabled()`) skip that dispatch: every M takes the tensor-core kernel in one
 configuration (`invariant_config`), since the GEMV kernel, this kernel and XLA's dot each round a row differently.
+`path="gemv_fixed"` is the GEMV kernel's batch-invariant variant (quant_gemv.quant_matmul_gemv_fixed: any M, each
+row as the 1-row call rounds it), for the engine's generated tokens (flashnext_jax/token_kinds.py).
 
 The GEMV kernel used for M <= 2 lives in quant_gemv.py (its design and instruction counts are described there).
 """
@@ -45,7 +47,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import fixed_order
 from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
-                                       default_gemv_config, quant_matmul_gemv)
+                                       default_gemv_config, quant_matmul_gemv, quant_matmul_gemv_fixed)
 from pallas_kernels.quant_layout import (PLANE_FORMATS, LayerSlice, QuantizedWeight, check_dense_operands, dequantize,
                                          kernel_operands, pow2_divisor, resolve_impl, unstacked,
                                          weight_spec)
@@ -349,7 +351,7 @@ DECODE_MAX_M = 32  # above this, dequant + XLA dot is faster than the kernel (se
 # every benchmarked shape (int4 8192x28672: 52.5 vs 119 us; lm_head int8: 186 vs 296 us at M = 1) and loses
 # from M = 4 (int4 8192x28672 138 us: each extra token re-does the per-weight multiply-adds on CUDA cores).
 GEMV_AUTO_MAX_M = 2
-PATHS = ("auto", "kernel", "dequant_dot", "gemv")
+PATHS = ("auto", "kernel", "dequant_dot", "gemv", "gemv_fixed")
 
 
 def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -368,14 +370,20 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
 
     impl: None (FLASHNEXT_KERNELS, default 'auto'), 'auto', 'pallas', 'interpret' or 'reference'.
     path (kernel impls only): 'auto' (kernel for M <= DECODE_MAX_M and shapes it can tile, else
-    dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take), 'dequant_dot' or 'gemv' (the
+    dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take), 'dequant_dot', 'gemv' (the
     CUDA-core GEMV kernel for M <= GEMV_MAX_M; raises ValueError for shapes it cannot take; config is then a
-    GemvConfig). A plain (unquantized) array w always takes the reference path."""
+    GemvConfig) or 'gemv_fixed' (the GEMV kernel's batch-invariant variant for any M, quant_matmul_gemv_fixed:
+    its configuration is fixed, so it takes no config; ValueError for shapes it cannot take). A plain
+    (unquantized) array w always takes the reference path."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "gemv_fixed" and config is not None:
+        raise ValueError("path='gemv_fixed' runs a fixed configuration (quant_gemv.fixed_gemv_config): no config")
     mode = resolve_impl(impl)
     if mode == "reference" or not isinstance(w, (QuantizedWeight, LayerSlice)):
         return quant_matmul_reference(x, unstacked(w))
+    if path == "gemv_fixed":
+        return quant_matmul_gemv_fixed(x, w, interpret=(mode == "interpret"))
     if path == "auto" and fixed_order.enabled() and config is None:
         try:
             check_kernel_shape(x.shape, w)

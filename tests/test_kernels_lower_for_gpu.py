@@ -11,12 +11,16 @@ batch-invariant trace, which is the one that takes the split kernels."""
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashnext_jax import gdn  # noqa: E402
 from pallas_kernels import fixed_order, qsa_sparse  # noqa: E402
+from pallas_kernels.moe_matmul import routed_experts_gemv_fixed  # noqa: E402
+from pallas_kernels.quant_gemv import quant_matmul_gemv_fixed  # noqa: E402
+from pallas_kernels.quant_layout import PLANE_FORMATS, LayerSlice, QuantizedWeight  # noqa: E402
 from tools.sass_offline import ttir_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -113,3 +117,34 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
             assert len(modules) > 10, key.describe()  # the step's pallas_calls: GDN, QSA, quant, MoE kernels
     finally:
         jax.clear_caches()
+
+
+def abstract_weight(k, n, bits, group, lead=()):
+    """A QuantizedWeight [*lead, K, N] of types only (ShapeDtypeStruct leaves, quant_layout's plane shapes)."""
+    planes = tuple(jax.ShapeDtypeStruct((*lead, k * width // 8, n), jnp.int8 if bits == 8 else jnp.uint8)
+                   for width, _ in PLANE_FORMATS[bits])
+    scales = jax.ShapeDtypeStruct((*lead, k // group, n), jnp.bfloat16)
+    return QuantizedWeight(planes, scales, bits=bits, group_size=group, k=k, n=n)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("k,n,bits,group,stacked", [(10240, 320, 8, 64, False), (2560, 16384, 6, 64, False),
+                                                    (2560, 1280, 4, 128, True)])
+def test_fixed_gemv_lowers(m, k, n, bits, group, stacked):
+    """quant_matmul_gemv_fixed (token tiles of 1 or 2 rows, inline-PTX fields, load barriers) at real shapes; a
+    LayerSlice of weights stacked over layers reads its layer in place."""
+    w = abstract_weight(k, n, bits, group, lead=(4,) if stacked else ())
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    modules = ttir_of(lambda x, w: quant_matmul_gemv_fixed(x, LayerSlice(w, 2) if stacked else w), x, w)
+    assert len(modules) == 1 and "tt.func" in modules[0] and "elementwise_inline_asm" in modules[0]
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fixed_moe_gemv_lowers(m):
+    """routed_experts_gemv_fixed at the real MoE shapes (32 experts, H 2560, I 640, int4 g128, top-10)."""
+    e, h, inter, k = 32, 2560, 640, 10
+    w_gate_up, w_down = abstract_weight(h, 2 * inter, 4, 128, (e,)), abstract_weight(inter, h, 4, 128, (e,))
+    args = (jax.ShapeDtypeStruct((m, h), jnp.bfloat16), jax.ShapeDtypeStruct((m, k), jnp.int32),
+            jax.ShapeDtypeStruct((m, k), jnp.float32), w_gate_up, w_down)
+    modules = ttir_of(routed_experts_gemv_fixed, *args)
+    assert len(modules) == 2 and all("tt.func" in mod and "elementwise_inline_asm" in mod for mod in modules)

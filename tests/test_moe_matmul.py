@@ -346,3 +346,112 @@ def test_batch_invariant_tiles_add_the_k_experts_without_a_dot_or_reduce():
         assert ("dot_general" in after) == want_dot, after
         if on:
             assert not any(n.startswith("reduce") for n in after), after
+
+
+# ------------------------------------------------------------------------------------------------ fixed GEMV path
+
+# routed_experts_gemv_fixed in interpret mode under one jit: calls of one shape (the 1-token calls) trace it once
+gemv_fixed = jax.jit(lambda *a: moe_matmul.routed_experts_gemv_fixed(*a, interpret=True))
+
+
+def routing(rng, m, k):
+    x, wts = inputs(rng, m, k)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(m)]), jnp.int32)
+    return x, ids, wts
+
+
+def token_calls(run, x, ids, wts, wgu, wd):
+    """run on each token alone: [M, H]."""
+    return np.concatenate([np.asarray(run(x[i:i + 1], ids[i:i + 1], wts[i:i + 1], wgu, wd)) for i in range(len(x))])
+
+
+def assert_tokens_are_their_one_token_calls(x, ids, wts, wgu, wd, seed, ms=(1, 2, 3, 6), run=gemv_fixed):
+    """run (routed_experts_gemv_fixed) on the first M tokens for every M in ms: token m's row bitwise its 1-token
+    call's. Returns the result at the largest M."""
+    alone = token_calls(run, x, ids, wts, wgu, wd)
+    for m in ms:
+        y = run(x[:m], ids[:m], wts[:m], wgu, wd)
+        assert y.shape == (m, H) and y.dtype == x.dtype
+        rows = np.asarray(y)
+        for i in range(m):
+            assert rows[i].tobytes() == alone[i].tobytes(), \
+                f"M={m}: token {i} differs from its 1-token call, ids={np.asarray(ids).tolist()}, seed={seed}"
+    return y
+
+
+def assert_close_to_moe_reference(y, x, ids, wts, wgu, wd, seed, rtol=2e-2):
+    ref = np.asarray(routed_experts_reference(x, ids, wts, wgu, wd), np.float32)
+    got = np.asarray(y, np.float32)
+    assert np.isfinite(got).all(), f"NaN / unwritten rows, seed={seed}"
+    err = np.abs(got - ref).max() / (np.abs(ref).max() + 1e-6)
+    assert err < rtol, f"max error {err:.2e}, ids={np.asarray(ids).tolist()}, seed={seed}"
+
+
+@pytest.mark.parametrize("bits,group,k", [(4, 128, 2), (4, 128, 4), (6, 64, 3)])
+def test_gemv_fixed_tokens_are_their_one_token_calls_at_every_m(bits, group, k):
+    """Token m's output at M = 1, 2, 3, 6 is bitwise its 1-token call's (the splits are one token's: int4 g128
+    gate/up 2 and down 1, int6 g64 gate/up 4 and down 2, whatever M) and the reference's; after the kernels no
+    XLA reduce or dot adds anything (the pairwise trees' elementwise adds)."""
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng, bits, group)
+    x, ids, wts = routing(rng, 6, k)
+    splits = moe_matmul.check_moe_gemv((1, H), (1, k), wgu, wd, MoEGemvConfig())[1::2]
+    assert splits == ((2, 1) if bits == 4 else (4, 2))
+    assert_close_to_moe_reference(assert_tokens_are_their_one_token_calls(x, ids, wts, wgu, wd, seed),
+                                  x, ids, wts, wgu, wd, seed)
+    eqns = jax.make_jaxpr(lambda *a: moe_matmul.routed_experts_gemv_fixed(*a, interpret=True))(
+        x, ids, wts, wgu, wd).jaxpr.eqns
+    calls = [i for i, e in enumerate(eqns) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 2
+    after = {e.primitive.name for e in eqns[calls[0] + 1:]}
+    assert "dot_general" not in after and not any(n.startswith("reduce") for n in after), after
+
+
+def test_gemv_fixed_reads_layer_slices_in_place_float32(monkeypatch):
+    """Experts stacked over layers: the LayerSlice gives the bits of its layer's own arrays; float32 x (no bf16
+    rounding of the activation or the output to hide a difference in the fp32 sums) keeps tokens invariant. A
+    program target of 8 keeps these small shapes from saturating the splits, so that splits following M would
+    show here (one token: 4 gate/up splits, three tokens: 2; the control below)."""
+    rng, seed = fresh_rng()
+    layers = [experts(rng, 6, 64) for _ in range(2)]
+    wgu, wd = (ql.LayerSlice(jax.tree.map(lambda *a: jnp.stack(a), *ws), 1) for ws in zip(*layers))
+    x, ids, wts = routing(rng, 3, 2)
+    x = x.astype(jnp.float32)
+    cfg = MoEGemvConfig(target_programs=8)
+    assert [moe_matmul.check_moe_gemv((m, H), (m, 2), wgu, wd, cfg)[1] for m in (1, 3)] == [4, 2]
+    monkeypatch.setattr(moe_matmul, "GEMV_FIXED_CONFIG", cfg)
+    run = jax.jit(lambda *a: moe_matmul.routed_experts_gemv_fixed(*a, interpret=True))  # not gemv_fixed's traces
+    y = assert_tokens_are_their_one_token_calls(x, ids, wts, wgu, wd, seed, ms=(1, 3), run=run)
+    assert np.asarray(y).tobytes() == np.asarray(run(x, ids, wts, *layers[1])).tobytes()
+    assert_close_to_moe_reference(y, x, ids, wts, wgu.get(), wd.get(), seed, rtol=1e-4)
+
+
+def test_control_the_fast_gemv_paths_tokens_follow_m():
+    """The tests above can fail: the decode path's auto splits follow the number of pairs (here 4 gate/up splits
+    for one token, 1 for six), and its tokens then round differently from their 1-token calls (float32)."""
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng, 6, 64)
+    x, ids, wts = routing(rng, 6, 2)
+    x = x.astype(jnp.float32)
+    cfg = MoEGemvConfig(target_programs=8)
+    assert [moe_matmul.check_moe_gemv((m, H), (m, 2), wgu, wd, cfg)[1] for m in (1, 6)] == [4, 1]
+    fast = jax.jit(lambda *a: routed_experts_gemv(*a, config=cfg, interpret=True))
+    together, alone = np.asarray(fast(x, ids, wts, wgu, wd)), token_calls(fast, x, ids, wts, wgu, wd)
+    assert (together != alone).any(), f"seed={seed}"
+    np.testing.assert_allclose(together, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max(), err_msg=f"seed={seed}")
+    assert np.asarray(gemv_fixed(x, ids, wts, wgu, wd)).tobytes() == token_calls(gemv_fixed, x, ids, wts, wgu,
+                                                                                wd).tobytes()
+
+
+def test_routed_experts_gemv_fixed_path():
+    rng, seed = fresh_rng()
+    wgu, wd = experts(rng)
+    x, ids, wts = routing(rng, 3, 2)
+    y = routed_experts(x, ids, wts, wgu, wd, impl="interpret", path="gemv_fixed")
+    assert np.asarray(y).tobytes() == np.asarray(gemv_fixed(x, ids, wts, wgu, wd)).tobytes()
+    ref = routed_experts(x, ids, wts, wgu, wd, impl="reference", path="gemv_fixed")
+    assert np.asarray(ref).tobytes() == np.asarray(routed_experts_reference(x, ids, wts, wgu, wd)).tobytes()
+    with pytest.raises(ValueError, match="no config"):
+        routed_experts(x, ids, wts, wgu, wd, impl="interpret", path="gemv_fixed", config=MoEGemvConfig())
+    with pytest.raises(ValueError, match="expert_ids"):
+        routed_experts(x, ids[:1], wts, wgu, wd, impl="interpret", path="gemv_fixed")

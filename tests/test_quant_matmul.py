@@ -1,6 +1,7 @@
 """Quantized weight layout, the kernel switch, and the W{4,6,8}A16 dense Pallas kernel (interpret mode) vs the
 pure-JAX reference. Fresh random inputs each run (the seed is in every failure message); never zeros."""
 
+import dataclasses
 import os
 
 import jax
@@ -509,3 +510,104 @@ def test_batch_invariant_trace_adds_the_split_partials_without_a_reduce():
         ys = [np.asarray(quant_matmul_pallas(x[:m], w, config=cfg, interpret=True)) for m in (1, 3)]
     assert_close_to_reference(jnp.asarray(ys[1]), x, w, seed)
     assert ys[0].tobytes() == ys[1][:1].tobytes()
+
+
+# ------------------------------------------------------------------------------------------------ fixed GEMV
+
+FIXED_MS = (1, 2, 3, 5, 8, 17)
+
+
+# quant_matmul_gemv_fixed in interpret mode under one jit: calls of one shape (the 1-row calls) trace it once
+fixed_gemv = jax.jit(lambda x, w: qg.quant_matmul_gemv_fixed(x, w, interpret=True))
+
+
+def assert_rows_are_their_one_row_calls(x, w, seed, ms=FIXED_MS, run=fixed_gemv):
+    """run (quant_matmul_gemv_fixed) on x[:M] for every M in ms: row i bitwise what the 1-row call on x[i:i+1]
+    gives. Returns the result at the largest M."""
+    alone = [np.asarray(run(x[i:i + 1], w))[0] for i in range(max(ms))]
+    for m in ms:
+        y = run(x[:m], w)
+        assert y.shape == (m, w.n) and y.dtype == x.dtype
+        rows = np.asarray(y)
+        for i in range(m):
+            assert rows[i].tobytes() == alone[i].tobytes(), f"M={m}: row {i} differs from its 1-row call, seed={seed}"
+    return y
+
+
+def test_fixed_gemv_config_is_the_fast_modes_one_token_config():
+    for k, n, bits, g in [(8192, 28672, 4, 128), (2560, 248320, 8, 128), (2560, 10240, 6, 64), (10240, 320, 8, 64)]:
+        cfg = qg.fixed_gemv_config(k, n, bits, g)
+        assert cfg == default_gemv_config(1, k, n, bits, g) and cfg.rows == 16
+        check_gemv_config(cfg, 2, k, n, bits, g)  # it tiles the 2-row token tiles too
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_fixed_gemv_rows_are_their_one_row_calls_at_every_m(bits, group):
+    """Every M from 1 to 17 (odd M: a zero-padded last token tile) gives each row the bits of its 1-row call, and
+    the result is the reference's; the split partials are added without an XLA reduce (pairwise_sum's adds)."""
+    rng, seed = fresh_rng()
+    k, n = GEMV_SHAPES[(bits, group)]
+    _, _, w = random_weight(rng, k, n, bits, group, dtype=np.float16 if bits != 8 else jnp.bfloat16)
+    assert qg.fixed_gemv_config(k, n, bits, group).splits > 1  # the pairwise sum runs
+    x = random_x(rng, max(FIXED_MS), k)
+    assert_close_to_reference(assert_rows_are_their_one_row_calls(x, w, seed), x, w, seed)
+    eqns = jax.make_jaxpr(lambda a: qg.quant_matmul_gemv_fixed(a, w, interpret=True))(x[:5]).jaxpr.eqns
+    last = max(i for i, e in enumerate(eqns) if e.primitive.name == "pallas_call")
+    assert not [e for e in eqns[last + 1:] if e.primitive.name.startswith("reduce")]
+
+
+def test_fixed_gemv_reads_a_layer_slice_in_place_float32():
+    """A LayerSlice of stacked weights gives the bits of its layer's own arrays; float32 x and y (no bf16 output
+    rounding to hide a difference in the fp32 sums) keep rows invariant and 1e-4 close to the reference."""
+    rng, seed = fresh_rng()
+    _, _, stack = random_weight(rng, 384, 128, 6, 64, lead=(3,))
+    w = ql.LayerSlice(stack, 1)
+    x = random_x(rng, 5, 384, jnp.float32)
+    y = assert_rows_are_their_one_row_calls(x, w, seed, ms=(1, 2, 5))
+    assert np.asarray(y).tobytes() == np.asarray(fixed_gemv(x, w.get())).tobytes()
+    assert_close_to_reference(y, x, w.get(), seed, rtol=1e-4)
+
+
+def test_fixed_gemv_with_one_split_writes_the_rows_in_the_kernel(monkeypatch):
+    """One split (lm_head-sized N reaches the program target without split-K): the kernel writes y in x.dtype, the
+    padding row of odd M is sliced off; rows still their 1-row calls."""
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 256, 128, 4, 128)
+    monkeypatch.setattr(qg, "fixed_gemv_config", lambda *a: dataclasses.replace(default_gemv_config(1, *a), splits=1))
+    run = jax.jit(lambda a, b: qg.quant_matmul_gemv_fixed(a, b, interpret=True))  # not fixed_gemv's traces
+    x = random_x(rng, 5, 256)
+    y = assert_rows_are_their_one_row_calls(x, w, seed, ms=(1, 2, 5), run=run)
+    eqns = jax.make_jaxpr(lambda a: qg.quant_matmul_gemv_fixed(a, w, interpret=True))(x).jaxpr.eqns
+    [call] = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert call.outvars[0].aval.dtype == x.dtype  # one split: no partials
+    assert_close_to_reference(y, x, w, seed)
+
+
+def test_control_the_fast_gemvs_rows_follow_m():
+    """The test above can fail: the fast entry point's default config at M = 3 reads 8 plane rows per chunk (16 at
+    M = 1), so its rows round differently from the 1-row calls (float32, so that no bf16 rounding absorbs it)."""
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 512, 256, 4, 128)
+    x = random_x(rng, 3, 512, jnp.float32)
+    assert default_gemv_config(3, 512, 256, 4, 128).rows == 8
+    fast = np.asarray(quant_matmul_gemv(x, w, interpret=True))
+    fixed = np.asarray(fixed_gemv(x, w))
+    alone = np.concatenate([np.asarray(fixed_gemv(x[i:i + 1], w)) for i in range(3)])
+    assert fixed.tobytes() == alone.tobytes(), f"seed={seed}"
+    assert (fast != alone).any(), f"seed={seed}"
+    np.testing.assert_allclose(fast, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max(), err_msg=f"seed={seed}")
+
+
+def test_quant_matmul_gemv_fixed_path():
+    rng, seed = fresh_rng()
+    _, _, w = random_weight(rng, 256, 64, 8, 128)
+    x = random_x(rng, 9, 256)  # above GEMV_MAX_M: the fixed variant takes any M
+    y = jax.jit(lambda a, b: quant_matmul(a, b, impl="interpret", path="gemv_fixed"))(x, w)
+    assert np.asarray(y).tobytes() == np.asarray(fixed_gemv(x, w)).tobytes()
+    ref = quant_matmul(x, w, impl="reference", path="gemv_fixed")
+    assert np.asarray(ref).tobytes() == np.asarray(quant_matmul_reference(x, w)).tobytes()
+    with pytest.raises(ValueError, match="no config"):
+        quant_matmul(x, w, impl="interpret", path="gemv_fixed", config=GemvConfig())
+    _, _, w40 = random_weight(rng, 128, 40, 8, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_matmul(random_x(rng, 3, 128), w40, impl="interpret", path="gemv_fixed")
