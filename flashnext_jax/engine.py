@@ -12,15 +12,16 @@ import functools
 import logging
 import random
 import time
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import fixed_order
+from pallas_kernels.kernel_switch import resolve_impl
 
-from . import sampling
+from . import sampling, token_kinds
 from .compile_ahead import CompileAhead, abstract
 from .step_cache import StepCache
 from .page_pool import device_memory, size_pool
@@ -53,39 +54,60 @@ class Batch:
     host: dict  # model-defined host-computed inputs from `host_prepare` (e.g. PLE n-gram rows [B, T, E])
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "host"], meta_fields=["num_tokens"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "host"],
+                   meta_fields=["num_tokens", "generated_tokens"])
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
     """A Batch as it crosses to the device: its integer arrays side by side in one int32 array
-    [B, 4 + T + MP] = (slot, gen, n_valid, start, tokens, page_table), so a step costs one host->device copy for
-    them, not six (each transfer and each jitted-call argument costs host time per step). `unpack` runs inside the
-    jitted step (slices: free)."""
+    [B, 5 + T + MP] = (slot, gen, n_valid, start, generated, tokens, page_table), so a step costs one host->device
+    copy for them, not seven (each transfer and each jitted-call argument costs host time per step). `unpack` runs
+    inside the jitted step (slices: free). `generated` (1: the row's tokens are generated tokens) and
+    `generated_tokens` (> 0: the decode step's width) are the step's token kinds (token_kinds.py); 0 without."""
 
     ints: Any
     host: dict
     num_tokens: int
+    generated_tokens: int = 0
+
+    LEAD: ClassVar[int] = 5  # columns before the tokens; column 5 is a row's first token
 
     @staticmethod
-    def pack(slot, gen, tokens, n_valid, start, page_table, host) -> "PackedBatch":
-        ints = np.concatenate([np.stack([slot, gen, n_valid, start], axis=1), tokens, page_table], axis=1)
-        return PackedBatch(ints.astype(np.int32), host, tokens.shape[1])
+    def pack(slot, gen, tokens, n_valid, start, page_table, host, generated=None,
+             generated_tokens: int = 0) -> "PackedBatch":
+        generated = np.zeros_like(slot) if generated is None else generated
+        ints = np.concatenate([np.stack([slot, gen, n_valid, start, generated], axis=1), tokens, page_table], axis=1)
+        return PackedBatch(ints.astype(np.int32), host, tokens.shape[1], generated_tokens)
 
     @property
     def page_table_width(self) -> int:
-        return self.ints.shape[1] - 4 - self.num_tokens
+        return self.ints.shape[1] - self.LEAD - self.num_tokens
 
     def abstract_at_width(self, page_table_width: int) -> "PackedBatch":
         """This batch's types (compile_ahead.abstract) with page tables of another width: what compiling the step
         for that width needs."""
         ints = abstract(self.ints)  # the sharding only if the array is committed to a device, as jit sees it
-        ints = jax.ShapeDtypeStruct((ints.shape[0], 4 + self.num_tokens + page_table_width), ints.dtype,
+        ints = jax.ShapeDtypeStruct((ints.shape[0], self.LEAD + self.num_tokens + page_table_width), ints.dtype,
                                     sharding=ints.sharding)
-        return PackedBatch(ints, abstract(self.host), self.num_tokens)
+        return PackedBatch(ints, abstract(self.host), self.num_tokens, self.generated_tokens)
 
     def unpack(self) -> Batch:
-        a, t = self.ints, self.num_tokens
-        return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, 4: 4 + t], n_valid=a[:, 2], start=a[:, 3],
-                     page_table=a[:, 4 + t:], host=self.host)
+        a, t, lead = self.ints, self.num_tokens, self.LEAD
+        return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, lead: lead + t], n_valid=a[:, 2], start=a[:, 3],
+                     page_table=a[:, lead + t:], host=self.host)
+
+    def token_kinds(self) -> token_kinds.TokenKinds | None:
+        """The kinds context its step is traced in (None: the batch carries none)."""
+        if not self.generated_tokens:
+            return None
+        return token_kinds.TokenKinds(generated=self.ints[:, 4] == 1, tokens=self.generated_tokens,
+                                      all_generated=self.num_tokens <= self.generated_tokens)
+
+
+def unpacked(batch) -> tuple[Batch, token_kinds.TokenKinds | None]:
+    """A step's Batch and its token kinds, from a PackedBatch (inside the jitted step) or a Batch as it is."""
+    if isinstance(batch, PackedBatch):
+        return batch.unpack(), batch.token_kinds()
+    return batch, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +139,8 @@ class ModelRunner(Protocol):
         ...
 
 
-_JIT: dict[tuple, tuple] = {}  # (id(runner), batch_invariant) -> (runner, its model steps, its samplers, their background compiler)
+# (id(runner), batch_invariant, token_kinds) -> (runner, its model steps, its samplers, their background compiler)
+_JIT: dict[tuple, tuple] = {}
 
 
 def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -135,19 +158,19 @@ def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
 
     `stage_inputs`: what a last pipeline stage takes besides the batch (the previous stage's hyper state)."""
     def run(params, store, batch, prompt_targets=None, *stage_inputs):
-        if isinstance(batch, PackedBatch):
-            batch = batch.unpack()
-        if prompt_targets is None:
-            store, out = step(params, store, batch, *stage_inputs)
-        else:
-            store, out = step(params, store, batch, *stage_inputs, all_positions=True)
-        out = dict(out)
-        for name in ("logits", "draft_logits"):
-            out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
-            out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
-        if prompt_targets is not None:
-            out.update(prompt_logprobs(lambda h: logits_of(params, h), out.pop("hidden"), prompt_targets,
-                                       sampling.MAX_LOGPROBS))
+        batch, kinds = unpacked(batch)
+        with token_kinds.token_kinds(kinds):
+            if prompt_targets is None:
+                store, out = step(params, store, batch, *stage_inputs)
+            else:
+                store, out = step(params, store, batch, *stage_inputs, all_positions=True)
+            out = dict(out)
+            for name in ("logits", "draft_logits"):
+                out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
+                out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
+            if prompt_targets is not None:
+                out.update(prompt_logprobs(lambda h: logits_of(params, h), out.pop("hidden"), prompt_targets,
+                                           sampling.MAX_LOGPROBS))
         return store, out
     return run
 
@@ -234,23 +257,26 @@ def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch
     token = argmax[at]
     if sample is not None:
         token = jnp.where(sampled == 1, sample[at], token)
-    token = jnp.where(chained, token, batch.ints[:, 4]).astype(jnp.int32)
+    first = PackedBatch.LEAD  # the column of a row's first token
+    token = jnp.where(chained, token, batch.ints[:, first]).astype(jnp.int32)
     host = dict(batch.host)
     for name, value in chained_host_inputs(chain_params, token, batch.ints[:, 3], context).items():
         old = host[name]
         keep = chained.reshape(-1, *([1] * (old.ndim - 2)))
         host[name] = old.at[:, 0].set(jnp.where(keep, value.astype(old.dtype), old[:, 0]))
-    return PackedBatch(batch.ints.at[:, 4].set(token), host, batch.num_tokens)
+    return dataclasses.replace(batch, ints=batch.ints.at[:, first].set(token), host=host)
 
 
-def jitted_step(runner: ModelRunner, batch_invariant: bool = True) -> tuple[Any, StepCache, CompileAhead]:
+def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
+                token_kinds: bool = False) -> tuple[Any, StepCache, CompileAhead]:
     """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
     compiles: about a minute at the real model size, so the engine logs it), its compiled samplers (choose_tokens)
     by SamplerKey, and the background compiler that compiles model steps before they are needed (compile_ahead.py).
     A pipeline (pipeline.py) has one jitted model step per stage instead: its PipelineSteps stands in for the model
     steps' StepCache. Engines of one runner in the two batch-invariance modes (EngineConfig.batch_invariant) get
-    separate caches: a program keeps the mode it was traced in."""
-    hit = _JIT.get((id(runner), batch_invariant))
+    separate caches: a program keeps the mode it was traced in; so do engines with and without token kinds (their
+    batches carry the kinds' width, EngineConfig.token_kinds)."""
+    hit = _JIT.get((id(runner), batch_invariant, token_kinds))
     if hit is None or hit[0] is not runner:
         if hasattr(runner, "pipeline_step"):
             if runner.batch_invariant != batch_invariant:
@@ -263,7 +289,7 @@ def jitted_step(runner: ModelRunner, batch_invariant: bool = True) -> tuple[Any,
         samplers = StepCache(choose_tokens_packed, 64, donate_argnums=(), static_argnums=(3,), name="choose_tokens",
                              log_level=logging.DEBUG, batch_invariant=batch_invariant)
         hit = (runner, steps, samplers, CompileAhead(steps.compile, steps.__contains__))
-        _JIT[(id(runner), batch_invariant)] = hit
+        _JIT[(id(runner), batch_invariant, token_kinds)] = hit
     return hit[1], hit[2], hit[3]
 
 
@@ -434,6 +460,11 @@ class EngineConfig:
     # need the host between steps (host sampling, grammars, images, a prefix snapshot) commit before their next
     # step as without it; a row launched after its request's last token (EOS, stop string) is dropped unused.
     async_scheduling: bool = False
+    # batch invariance at the GEMVs' speed (token_kinds.py): a request's generated tokens take the GEMV kernels
+    # and its prompt tokens the tensor-core kernels, the scheduler keeping the two kinds in separate rows. None: on
+    # where it changes a kernel (batch invariant on the Pallas kernels); True on the CPU's reference kernels gives
+    # the scheduling alone (tests).
+    token_kinds: bool | None = None
 
 
 class Engine:
@@ -447,6 +478,10 @@ class Engine:
             cfg = dataclasses.replace(cfg, compile_ahead=False)
         if cfg.batch_invariant is None:
             cfg = dataclasses.replace(cfg, batch_invariant=fixed_order.default_mode())
+        if cfg.token_kinds is None:
+            cfg = dataclasses.replace(cfg, token_kinds=cfg.batch_invariant and resolve_impl(None) != "reference")
+        if cfg.token_kinds and not cfg.batch_invariant:
+            raise ValueError("token_kinds needs batch_invariant (it is how a batch-invariant step keeps the GEMVs)")
         if cfg.qsa_kv_offload:
             if not hasattr(runner, "with_qsa_kv_offload"):
                 raise ValueError(f"qsa_kv_offload: {type(runner).__name__} cannot keep QSA K/V pages in host memory "
@@ -488,9 +523,10 @@ class Engine:
         self.sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, mml,
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets,
-                                               self._prefill_align(runner, cfg), cfg.async_scheduling),
+                                               self._prefill_align(runner, cfg), cfg.async_scheduling,
+                                               self._decode_tokens if cfg.token_kinds else 0),
                                self.ledger)
-        self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant)
+        self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant, cfg.token_kinds)
         self._steps.set_limit(cfg.max_compiled_steps)
         self._samplers.set_limit(cfg.max_compiled_samplers)
         # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
@@ -659,7 +695,8 @@ class Engine:
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
                                                 np.full((b, key.page_table_width), -1, np.int32),
-                                                self.runner.host_prepare([None] * b, t)))
+                                                self.runner.host_prepare([None] * b, t), z(b),
+                                                self._decode_tokens if self.cfg.token_kinds else 0))
         targets = jax.device_put(z(b, t)) if key.prompt_logprobs else None
         return abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(targets)
 
@@ -965,7 +1002,10 @@ class Engine:
             rows.append(RowTicket(req.request_id, req.slot, row, p.start, p.tokens, p.num_drafts, p.samples,
                                   max(len(p.tokens) - self.K1, 0), tuple(req.pages), p.capture, p.token_from))
         B = _bucket(max(len(rows), self.cfg.min_batch_bucket))
-        return StepTicket(self.step_id, tuple(rows), B, self._token_bucket(max(r.n for r in rows)))
+        n = max(r.n for r in rows)
+        if self.cfg.token_kinds and any(p.start < len(p.request.prompt) for p in plans):
+            n = max(n, self._decode_tokens + 1)  # a decode-shaped step runs every row as generated tokens
+        return StepTicket(self.step_id, tuple(rows), B, self._token_bucket(n))
 
     def _token_bucket(self, n: int) -> int:
         """A step's token bucket T for its longest row of n tokens: the decode bucket (1 token, or 1 + the MTP
@@ -987,12 +1027,14 @@ class Engine:
         n_valid = np.zeros(B, np.int32)
         start = np.zeros(B, np.int32)
         pt = np.full((B, MP), -1, np.int32)
+        generated = np.zeros(B, np.int32)
         host_rows: list[HostRow | None] = [None] * B
         chained = []
         for r in t.rows:
             req = self.requests[r.request_id]
             slot[r.row], gen[r.row] = r.slot.slot, r.slot.gen
             n_valid[r.row], start[r.row] = r.n, r.start
+            generated[r.row] = r.start >= len(req.prompt)
             pt[r.row, : min(len(r.pages), MP)] = r.pages[:MP]
             if r.token_from is not None:  # its token is on the device: chain_tokens fills it in, and its host inputs
                 chained.append(r)
@@ -1004,7 +1046,8 @@ class Engine:
         host = self.runner.host_prepare(host_rows, T)
         # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on
         # the H200 host (bench/results/engine_host_profile.json)
-        batch = jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host))
+        batch = jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host, generated,
+                                                self._decode_tokens if self.cfg.token_kinds else 0))
         return self._chain_batch(batch, chained) if chained else batch
 
     def _chain_batch(self, batch: PackedBatch, rows: list[RowTicket]) -> PackedBatch:

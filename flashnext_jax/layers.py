@@ -18,6 +18,8 @@ from pallas_kernels import fixed_order
 from pallas_kernels.dense_matmul import dense_matmul
 from pallas_kernels.kernel_switch import resolve_impl
 
+from . import token_kinds
+
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -108,13 +110,21 @@ def linear(x: jax.Array, w) -> jax.Array:
                                 preferred_element_type=jnp.float32)
         y = y[0].reshape(*x.shape[:-1], -1) if one_row else y
         return y.astype(x.dtype)
-    from pallas_kernels.quant_matmul import quant_matmul  # quantized weights only
+    from pallas_kernels.quant_gemv import gemv_fixed_fits  # quantized weights only
+    from pallas_kernels.quant_matmul import quant_matmul
 
     # The kernels feed bf16 operands to the tensor cores; float32 runs (parity tests) stay on the exact reference.
     impl = "reference" if x.dtype == jnp.float32 else None
-    lead = x.shape[:-1]
-    y = quant_matmul(x.reshape(-1, x.shape[-1]), w, impl=impl)
-    return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
+
+    def matmul(v, path="auto"):
+        y = quant_matmul(v.reshape(-1, v.shape[-1]), w, impl=impl, path=path)
+        return y.reshape(*v.shape[:-1], y.shape[-1]).astype(x.dtype)
+
+    if impl is None and fixed_order.enabled() and resolve_impl(None) != "reference" and gemv_fixed_fits(w):
+        # a batch-invariant step on the kernels: generated tokens on the fixed GEMV, prompt tokens on the
+        # tensor-core kernel (token_kinds.py)
+        return token_kinds.by_kind(x, lambda v: matmul(v, "gemv_fixed"), matmul)
+    return matmul(x)
 
 
 @jax.tree_util.register_pytree_node_class

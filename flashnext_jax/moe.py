@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fixed_order
+from pallas_kernels import fixed_order, moe_matmul
+from pallas_kernels.kernel_switch import resolve_impl
 
+from . import token_kinds
 from .config import ModelConfig
 from .layers import linear, linear_group
 
@@ -60,7 +62,7 @@ def routed_experts_dense(x, expert_ids, expert_weights, w_gate_up, w_down):
 TRAINING_DENSE_EXPERTS = False
 
 
-def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down):
+def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down, path: str = "auto"):
     if isinstance(w_gate_up, jax.Array) and TRAINING_DENSE_EXPERTS:
         return routed_experts_dense(x, expert_ids, expert_weights, w_gate_up, w_down)
     if isinstance(w_gate_up, jax.Array):
@@ -68,18 +70,32 @@ def routed_experts(x, expert_ids, expert_weights, w_gate_up, w_down):
     from pallas_kernels.moe_matmul import routed_experts as kernel  # quantized experts
 
     impl = "reference" if x.dtype == jnp.float32 else None  # float32 runs stay exact (kernels use bf16 operands)
-    return kernel(x, expert_ids, expert_weights, w_gate_up, w_down, impl=impl)
+    return kernel(x, expert_ids, expert_weights, w_gate_up, w_down, impl=impl, path=path)
 
 
 def moe_forward(p: dict, cfg: ModelConfig, u: jax.Array) -> jax.Array:
-    """u [..., H] -> routed + gated shared expert output [..., H]."""
-    shape = u.shape
-    x = u.reshape(-1, shape[-1])
-    router_logits, shared_gate = linear_group(x, p, ("gate", "shared_expert_gate"))
-    ids, weights = route(router_logits, cfg, x.dtype)
-    routed = routed_experts(x, ids, weights, p["experts"]["gate_up_proj"], p["experts"]["down_proj"])
+    """u [..., H] -> routed + gated shared expert output [..., H]. In a step with token kinds (token_kinds.py)
+    u is [rows, tokens, ..., H] and the generated rows' routed experts take the fixed per-pair GEMV path."""
+    router_logits, shared_gate = linear_group(u, p, ("gate", "shared_expert_gate"))
+    ids, weights = route(router_logits, cfg, u.dtype)
+    w_gate_up, w_down = p["experts"]["gate_up_proj"], p["experts"]["down_proj"]
+
+    def routed(path):
+        def run(args):  # [rows, tokens, ..., H] (or any leading axes) -> the routed experts' output, same shape
+            v, i, w = args
+            y = routed_experts(v.reshape(-1, v.shape[-1]), i.reshape(-1, i.shape[-1]), w.reshape(-1, w.shape[-1]),
+                               w_gate_up, w_down, path)
+            return y.reshape(v.shape)
+        return run
+
+    quantized = not isinstance(w_gate_up, jax.Array)
+    if quantized and u.dtype != jnp.float32 and fixed_order.enabled() and resolve_impl(None) != "reference" \
+            and moe_matmul.gemv_fixed_fits(u.shape[-1], ids.shape[-1], w_gate_up, w_down):
+        routed_out = token_kinds.by_kind((u, ids, weights), routed("gemv_fixed"), routed("auto"))
+    else:
+        routed_out = routed("auto")((u, ids, weights))
     se = p["shared_expert"]
-    gate, up = linear_group(x, se, ("gate_proj", "up_proj"))
+    gate, up = linear_group(u, se, ("gate_proj", "up_proj"))
     shared = linear(jax.nn.silu(gate) * up, se["down_proj"])
     shared = jax.nn.sigmoid(shared_gate) * shared
-    return (routed + shared).reshape(shape)
+    return routed_out + shared

@@ -31,7 +31,8 @@ import jax
 from pallas_kernels import fixed_order
 
 from .compile_ahead import abstract
-from .engine import PackedBatch, crossing_outputs, model_step
+from . import token_kinds
+from .engine import crossing_outputs, model_step, unpacked
 from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
 
@@ -219,9 +220,9 @@ class _StageFn:
     layers: range
 
     def __call__(self, params, store, batch, x=None, all_positions=False):
-        if isinstance(batch, PackedBatch):
-            batch = batch.unpack()
-        return self.runner.stage_step(params, store, batch, x, self.layers, all_positions)
+        batch, kinds = unpacked(batch)
+        with token_kinds.token_kinds(kinds):
+            return self.runner.stage_step(params, store, batch, x, self.layers, all_positions)
 
     def __hash__(self):
         return hash((id(self.runner), self.layers))

@@ -115,6 +115,10 @@ class SchedulerConfig:
     # plan a decode row for a request whose step is still in flight, its token from that step's device output
     # (the engine sets Request.chain where that is allowed)
     async_scheduling: bool = False
+    # token kinds (flashnext_jax/token_kinds.py), > 0: the decode step's width G. A row's tokens are all prompt
+    # tokens or all generated ones, a generated row (a recompute after a preemption too) holds at most G, and
+    # prefix snapshots stop at the prompt's end, so every token is computed as its kind in any batch. 0: off.
+    token_kinds: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -209,6 +213,9 @@ class Scheduler:
         if req.drafts:  # drafts kept across a preemption: the last token is verified with them (decode path)
             known -= 1
         n = min(known - start, budget)
+        if self.cfg.token_kinds:  # one kind per row: up to the prompt's end, or a decode-sized generated row
+            prompt = len(req.prompt)
+            n = min(n, prompt - start) if start < prompt else min(n, self.cfg.token_kinds)
         fits = [b for b in self.cfg.prefill_buckets or () if b <= n]
         if fits:  # a bucket-sized chunk; a rest below the smallest bucket runs as it is, padded to that bucket
             n = fits[-1]
@@ -224,6 +231,7 @@ class Scheduler:
             if n <= 0:
                 return 0, None
         if self.cfg.enable_prefix_caching and (start + n) % self.cfg.block_size == 0 \
+                and self._may_snapshot(req, start + n) \
                 and not self.ledger.has_snapshot(req.tokens[: start + n], req.prefix_salt(start + n)):
             cap = Capture(offset=n - 1, length=start + n)
         return n, cap
@@ -242,14 +250,20 @@ class Scheduler:
             # and with sampling so would the tokens (isolation, invariant 11). Wait for the next step instead.
             return None
         toks = (req.last_token, *req.drafts[:nd])
-        return RowPlan(req, start, toks, nd, True, self._decode_capture(start, len(toks)))
+        return RowPlan(req, start, toks, nd, True, self._decode_capture(req, start, len(toks)))
 
-    def _decode_capture(self, start: int, n: int) -> Capture | None:
+    def _may_snapshot(self, req: Request, length: int) -> bool:
+        """Whether a prefix snapshot may end after `length` tokens: anywhere, but with token kinds only inside the
+        prompt (a later request reading a generated token from the cache would read it computed as generated,
+        where its solo run computes it as a prompt token)."""
+        return not self.cfg.token_kinds or length <= len(req.prompt)
+
+    def _decode_capture(self, req: Request, start: int, n: int) -> Capture | None:
         """The prefix snapshot a decode row of n tokens from `start` publishes: after its last token that ends a
         block (with prefix caching), if any."""
         if self.cfg.enable_prefix_caching:
             for j in range(n - 1, -1, -1):
-                if (start + j + 1) % self.cfg.block_size == 0:
+                if (start + j + 1) % self.cfg.block_size == 0 and self._may_snapshot(req, start + j + 1):
                     return Capture(offset=j, length=start + j + 1)
         return None
 
@@ -265,7 +279,7 @@ class Scheduler:
         max_tokens = getattr(req.params, "max_tokens", None)
         if (max_tokens is not None and len(req.output) + 2 > max_tokens) or start + 2 > self.cfg.max_model_len:
             return None
-        return RowPlan(req, start, (CHAINED,), 0, True, self._decode_capture(start, 1), src)
+        return RowPlan(req, start, (CHAINED,), 0, True, self._decode_capture(req, start, 1), src)
 
     def _pages_for(self, length: int) -> int:
         return -(-length // self.ledger.dims.page_size)

@@ -564,16 +564,39 @@ def routed_experts_gemv(x, expert_ids, expert_weights, w_gate_up: QuantizedWeigh
     return weighted.sum(axis=(0, 2)).astype(x.dtype)
 
 
+def fixed_tiling(hidden: int, k: int, w_gate_up, w_down) -> tuple[MoEGemvConfig, tuple[int, int, int, int]]:
+    """The fixed path's config and its (bn, splits) of both kernels, resolved for one token of `hidden` features and
+    k experts whatever M: GEMV_FIXED_CONFIG, for small groups with fewer plane rows per chunk, and with the
+    byte-formula fields where the inline-PTX packing does not fit the tile (narrow experts, as default_gemv_config
+    does); ValueError (TypeError) where nothing fits."""
+    _check_moe_operands((1, hidden), (1, k), w_gate_up, w_down, "the GEMV path")
+    rows = min(pow2_divisor(gemv_layout(w.bits, w.group_size)[1], GEMV_FIXED_CONFIG.rows) for w in (w_gate_up, w_down))
+    cfg = dataclasses.replace(GEMV_FIXED_CONFIG, rows=rows)
+    try:
+        return cfg, check_moe_gemv((1, hidden), (1, k), w_gate_up, w_down, cfg)
+    except ValueError:
+        cfg = dataclasses.replace(cfg, fields="jnp")
+        return cfg, check_moe_gemv((1, hidden), (1, k), w_gate_up, w_down, cfg)
+
+
+def gemv_fixed_fits(hidden: int, k: int, w_gate_up, w_down) -> bool:
+    """Whether `routed_experts_gemv_fixed` takes these experts for tokens of `hidden` features, k experts each."""
+    try:
+        fixed_tiling(hidden, k, w_gate_up, w_down)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def routed_experts_gemv_fixed(x, expert_ids, expert_weights, w_gate_up: QuantizedWeight | LayerSlice,
                               w_down: QuantizedWeight | LayerSlice, *, interpret: bool = False) -> jax.Array:
     """The decode path's batch-invariant variant (module docstring): any M, token m's output bitwise the 1-token
-    call's on row m. The tiling is GEMV_FIXED_CONFIG's for one token; the glue (fused_glue=False) adds in
+    call's on row m. The tiling is `fixed_tiling`'s, for one token; the glue (fused_glue=False) adds in
     fixed pairwise trees. ValueError for shapes the GEMV path cannot take."""
-    cfg = GEMV_FIXED_CONFIG
     _check_moe_operands(x.shape, expert_ids.shape, w_gate_up, w_down, "the GEMV path")
     m, h = x.shape
     k = expert_ids.shape[1]
-    bn1, s1, bn2, s2 = check_moe_gemv((1, h), (1, k), w_gate_up, w_down, cfg)  # one token's tiling, every M
+    cfg, (bn1, s1, bn2, s2) = fixed_tiling(h, k, w_gate_up, w_down)  # one token's tiling, every M
     w_gate_up, w_down, offset = _flat_experts(w_gate_up, w_down)
     ids = expert_ids.reshape(m * k).astype(jnp.int32) + offset
     opts = gemv_call_options(cfg, interpret)

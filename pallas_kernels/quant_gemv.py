@@ -417,6 +417,16 @@ def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: 
     return y
 
 
+def gemv_fixed_fits(w: QuantizedWeight | LayerSlice) -> bool:
+    """Whether `quant_matmul_gemv_fixed` takes this weight (callers keep another invariant path for the rest)."""
+    try:
+        check_gemv_shape((1, w.k), w, max_m=None)
+        check_gemv_config(fixed_gemv_config(w.k, w.n, w.bits, w.group_size), 2, w.k, w.n, w.bits, w.group_size)
+    except ValueError:
+        return False
+    return True
+
+
 def quant_matmul_gemv_fixed(x: jax.Array, w: QuantizedWeight | LayerSlice, *, interpret: bool = False) -> jax.Array:
     """y [M, N] = x @ dequant(w) for any M >= 1, each row bitwise what the 1-row call on it gives (the fixed
     variant, module docstring): `fixed_gemv_config`, token tiles of TM = 1 (M = 1) or 2 rows, split partials in
