@@ -364,7 +364,7 @@ def main(argv=None) -> dict:
     compile_info = precompile(lms, [sp, sp_timing], args.compile_threads, expired)
     engines = {m: dict(batch_invariant=MODES[m], page_table_width=lm.engine.max_pages_per_row,
                        num_pages=lm.engine.cfg.num_pages, prefill_align=lm.engine.sched.cfg.prefill_align,
-                       step_shapes=len(lm.engine.startup_shapes())) for m, lm in lms.items()}
+                       token_kinds=lm.engine.cfg.token_kinds, step_shapes=len(lm.engine.startup_shapes())) for m, lm in lms.items()}
     rows: list[dict] = []
     timing: dict = {m: {b: [] for b in BATCHES} for m in modes}
     timing_rounds: list[dict] = []
