@@ -5,6 +5,7 @@
 #   bash bench/device_checks.sh offload      # issue 14 item 6: host-memory patterns, then the decode cost at 128K
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
+#   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 set -u
@@ -36,5 +37,14 @@ case "${1:-}" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 560 python3 bench/real_size.py --experts 32 --no-mtp \
         --async-scheduling --deadline-s 480 --out "$OUT/real_size_async.json" > "$OUT/real_size_async.log" 2>&1
     echo "real_size rc=$?"; grep -v "compiling engine steps" "$OUT/real_size_async.log" | tail -n 25 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async" >&2; exit 2 ;;
+  kinds)
+    # token kinds (flashnext_jax/token_kinds.py): bitwise solo == B=2/8/mixed and the invariant decode cost, then
+    # where the async engine's launch time goes (bench/async_probe.py, nothing blocking)
+    timeout 330 python3 bench/batch_invariance.py --layers 4 --rounds 1 --steps 8 --profile-steps 4 \
+        --deadline-s 300 --compile-threads 6 --out "$OUT/batch_invariance_4layers.json" > "$OUT/bi4.log" 2>&1
+    echo "batch_invariance rc=$?"; grep -v "compiling\|compiled run" "$OUT/bi4.log" | tail -n 25
+    timeout 200 python3 bench/async_probe.py --layers 4 --steps 30 --out "$OUT/async_probe.json" \
+        > "$OUT/async_probe.log" 2>&1
+    echo "async_probe rc=$?"; tail -n 6 "$OUT/async_probe.log" ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds" >&2; exit 2 ;;
 esac
