@@ -20,6 +20,7 @@ from flashnext_jax.engine import Engine, EngineConfig
 from flashnext_jax.runner import RealRunner
 from state_machine import EngineHarness
 from test_engine_real import RealEngineMachine
+from test_token_kinds import kind_violations
 
 MAX_LEN = 256
 PAGE = 8
@@ -102,11 +103,12 @@ def test_invariance_switch_off_builds_other_programs():
 
 class Bf16Harness(EngineHarness):
     """The engine (k = 1, drafts forced right or wrong by the hook) on the bf16 demo model; oracle: each greedy
-    request's tokens and logprobs equal its solo engine run."""
+    request's tokens and logprobs equal its solo engine run. With `kinds`, the token-kind scheduling
+    (EngineConfig.token_kinds; tests/test_token_kinds.py) and its rules checked on every step."""
 
     vocab, max_prompt, corpus_len, drain_limit = 509, 21, 24, 3000
 
-    def __init__(self, D, slots, budget, prefix, block, seed, tight, accept_p):
+    def __init__(self, D, slots, budget, prefix, block, seed, tight, accept_p, kinds=False):
         super().__init__(seed, block, accept_p)
         mml = 32
         mp = mml // PAGE
@@ -115,8 +117,17 @@ class Bf16Harness(EngineHarness):
             max_num_seqs=slots, num_slots=slots, max_num_batched_tokens=budget, max_model_len=mml,
             num_speculative_tokens=1, enable_prefix_caching=prefix, block_size=block, page_size=PAGE,
             num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, min_batch_bucket=2,
-            min_token_bucket=8, min_pool_capacity=(4, 64, 64)), draft_hook=self.hook)
+            min_token_bucket=8, min_pool_capacity=(4, 64, 64), token_kinds=kinds), draft_hook=self.hook)
         self.logprobs: dict[str, list] = {}
+        if kinds:  # the token-kind scheduling (on the GPU's kernels; here its rules alone): checked on every step
+            make = self.eng._make_ticket
+
+            def checked(plans):
+                t = make(plans)
+                lens = {p.request.request_id: len(p.request.prompt) for p in plans}
+                assert kind_violations([t], lens, self.eng._decode_tokens) == []
+                return t
+            self.eng._make_ticket = checked
 
     def add(self, m, delta, corpus, mutate, max_tokens, ignore_eos):
         self.submit(self.prompt(m, delta, corpus, mutate), params(max_tokens, ignore_eos))
@@ -132,7 +143,7 @@ class Bf16Harness(EngineHarness):
             want = self.logprobs[tuple(prompt), sp.max_tokens, sp.ignore_eos]
             assert logprob_bits(req.logprobs) == want[: len(req.logprobs)], f"{rid}: logprobs differ from solo"
             COVER[(rid in self.aborted, req.metrics["num_cached_tokens"] > 0, req.metrics["num_preemptions"] > 0,
-                   0 < req.metrics["num_accepted"])] = True
+                   0 < req.metrics["num_accepted"], bool(self.eng.cfg.token_kinds))] = True
 
 
 COVER: dict = {}
@@ -145,7 +156,8 @@ class Bf16EngineMachine(RealEngineMachine):
                 prefix=st.booleans(), block=st.integers(2, 5), seed=st.integers(0, 2**16),
                 tight=st.sampled_from([False, True]), accept_p=st.sampled_from([0.0, 0.5, 0.9]))
     def setup(self, D, slots, budget, prefix, block, seed, tight, accept_p):
-        self.h = Bf16Harness(D, slots, budget, prefix, block, seed, tight, accept_p)
+        # token kinds on for odd seeds (a draw of its own would change every example, and the coverage with them)
+        self.h = Bf16Harness(D, slots, budget, prefix, block, seed, tight, accept_p, kinds=seed % 2 == 1)
 
 
 def test_bf16_engine_machine_equals_solo_bitwise():
@@ -154,3 +166,4 @@ def test_bf16_engine_machine_equals_solo_bitwise():
         suppress_health_check=list(HealthCheck)))
     seen = set(COVER)
     assert any(k[1] for k in seen) and any(k[2] for k in seen) and any(k[3] for k in seen), seen  # hits, preemptions, accepts
+    assert any(k[4] and k[2] for k in seen), seen  # the token-kind rules met a preemption (a recompute)
