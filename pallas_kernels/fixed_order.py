@@ -33,10 +33,10 @@ def compiler_options(on: bool = True) -> dict:
 
 
 def default_mode() -> bool:
-    """The engine's batch invariance when not asked (EngineConfig.batch_invariant=None): on where every path a
-    step takes is invariant in that mode, the CPU. The GPU's matmul, GDN and QSA kernels still pick their
-    reduction order by shape (bench/results/invariance_probe_h100.json), so there the mode would cost speed
-    without the guarantee: off until they do not (docs/batch-invariance.md)."""
+    """The engine's batch invariance when not asked (EngineConfig.batch_invariant=None): on for the CPU. On the
+    GPU the mode holds bitwise (bench/results/batch_invariance_4layers_h100_stop44.json) but cost 1.54x a decode
+    step with one tensor-core kernel for every token; off there until the token kinds (flashnext_jax/token_kinds.py)
+    are measured within the issue's 10% (docs/batch-invariance.md)."""
     return jax.default_backend() == "cpu"
 
 
