@@ -21,7 +21,6 @@ from pallas_kernels.kernel_switch import resolve_impl
 from . import token_kinds
 
 
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Zero-centred RMSNorm over the last axis."""
     xf = x.astype(jnp.float32)

@@ -30,8 +30,8 @@ import jax
 
 from pallas_kernels import fixed_order
 
-from .compile_ahead import abstract
 from . import token_kinds
+from .compile_ahead import abstract
 from .engine import crossing_outputs, model_step, unpacked
 from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
