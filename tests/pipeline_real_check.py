@@ -56,10 +56,14 @@ def main():
     for pp in (1, 2, 3):
         res[pp], logits[pp], _ = run(model, pp)
     diffs = {pp: logit_diff(logits[1], logits[pp]) for pp in (2, 3)}
+    # the token-kind scheduling (EngineConfig.token_kinds) through the stages: each stage's program traced with
+    # the rows' kinds (pipeline._StageFn)
+    kinds, _, _ = run(model, 2, batch_invariant=True, token_kinds=True)
     solo = [model.generate(p, 10) for p in PROMPTS]
     print(json.dumps({"results": {str(k): v for k, v in res.items()}, "logit_diffs": {str(k): v for k, v in
                                                                                     diffs.items()},
                       "solo": solo, "errors": errors(), "precompiled": precompiled(),
+                      "token_kinds": {k: kinds[k] for k in ("tokens", "again", "sampled", "prefix_hits")},
                       "devices": len(jax.devices())}))
 
 

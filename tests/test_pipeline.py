@@ -36,6 +36,14 @@ def test_pipeline_greedy_tokens_equal_one_stage(report, pp):
     assert report["results"][pp]["sampled"]["samplers"] >= 1
 
 
+def test_pipeline_with_token_kinds_equals_one_stage(report):
+    """PP=2 with the token-kind scheduling (EngineConfig.token_kinds): the same tokens, prefix hit and sampler
+    outputs as PP=1 without it."""
+    kinds, one = report["token_kinds"], report["results"]["1"]
+    assert kinds["tokens"] == one["tokens"] and kinds["again"] == one["again"]
+    assert kinds["sampled"] == one["sampled"] and kinds["prefix_hits"] > 0
+
+
 @pytest.mark.parametrize("pp", ["2", "3"])
 def test_pipeline_logits_equal_one_stage_to_fp32_rounding(report, pp):
     d = report["logit_diffs"][pp]
