@@ -500,6 +500,8 @@ class Engine:
         mp = -(-mml // cfg.page_size)
         self.K1 = runner.k + 1
         self._decode_tokens = _bucket(max(self.K1, cfg.min_token_bucket))
+        # token kinds: the width of a generated row (its tokens sit in the first columns), 0 without kinds
+        self._kinds_width = self._decode_tokens if cfg.token_kinds else 0
         if cfg.prefill_buckets == "auto":
             cfg = dataclasses.replace(cfg, prefill_buckets=tuple(
                 b for b in default_prefill_buckets(cfg.max_num_batched_tokens) if b > self._decode_tokens) or None)
@@ -524,7 +526,7 @@ class Engine:
                                                cfg.num_speculative_tokens, cfg.enable_prefix_caching,
                                                cfg.block_size, cfg.max_rows_per_step, cfg.prefill_buckets,
                                                self._prefill_align(runner, cfg), cfg.async_scheduling,
-                                               self._decode_tokens if cfg.token_kinds else 0),
+                                               self._kinds_width),
                                self.ledger)
         self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant, cfg.token_kinds)
         self._steps.set_limit(cfg.max_compiled_steps)
@@ -696,7 +698,7 @@ class Engine:
         batch = jax.device_put(PackedBatch.pack(np.full(b, -1, np.int32), z(b), z(b, t), z(b), z(b),
                                                 np.full((b, key.page_table_width), -1, np.int32),
                                                 self.runner.host_prepare([None] * b, t), z(b),
-                                                self._decode_tokens if self.cfg.token_kinds else 0))
+                                                self._kinds_width))
         targets = jax.device_put(z(b, t)) if key.prompt_logprobs else None
         return abstract(self.runner.params), abstract(self.ledger.store), abstract(batch), abstract(targets)
 
@@ -1047,7 +1049,7 @@ class Engine:
         # one device_put, and the integers packed in one array: seven separate transfers cost ~1.2 ms per step on
         # the H200 host (bench/results/engine_host_profile.json)
         batch = jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host, generated,
-                                                self._decode_tokens if self.cfg.token_kinds else 0))
+                                                self._kinds_width))
         return self._chain_batch(batch, chained) if chained else batch
 
     def _chain_batch(self, batch: PackedBatch, rows: list[RowTicket]) -> PackedBatch:

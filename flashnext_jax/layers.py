@@ -119,9 +119,8 @@ def linear(x: jax.Array, w) -> jax.Array:
         y = quant_matmul(v.reshape(-1, v.shape[-1]), w, impl=impl, path=path)
         return y.reshape(*v.shape[:-1], y.shape[-1]).astype(x.dtype)
 
-    if impl is None and fixed_order.enabled() and resolve_impl(None) != "reference" and gemv_fixed_fits(w):
-        # a batch-invariant step on the kernels: generated tokens on the fixed GEMV, prompt tokens on the
-        # tensor-core kernel (token_kinds.py)
+    if token_kinds.current() is not None and gemv_fixed_fits(w):
+        # a step with token kinds: generated tokens on the fixed GEMV, prompt tokens on the tensor-core kernel
         return token_kinds.by_kind(x, lambda v: matmul(v, "gemv_fixed"), matmul)
     return matmul(x)
 

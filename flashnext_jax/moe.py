@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fixed_order, moe_matmul
-from pallas_kernels.kernel_switch import resolve_impl
 
 from . import token_kinds
 from .config import ModelConfig
@@ -89,7 +88,7 @@ def moe_forward(p: dict, cfg: ModelConfig, u: jax.Array) -> jax.Array:
         return run
 
     quantized = not isinstance(w_gate_up, jax.Array)
-    if quantized and u.dtype != jnp.float32 and fixed_order.enabled() and resolve_impl(None) != "reference" \
+    if quantized and token_kinds.current() is not None \
             and moe_matmul.gemv_fixed_fits(u.shape[-1], ids.shape[-1], w_gate_up, w_down):
         routed_out = token_kinds.by_kind((u, ids, weights), routed("gemv_fixed"), routed("auto"))
     else:
