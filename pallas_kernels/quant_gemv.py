@@ -417,11 +417,19 @@ def quant_matmul_gemv(x: jax.Array, w: QuantizedWeight | LayerSlice, *, config: 
     return y
 
 
+def checked_fixed_config(x_shape, w: QuantizedWeight | LayerSlice) -> GemvConfig:
+    """`fixed_gemv_config` for x [M, K] @ w, checked for the kernel and its 2-row token tiles; ValueError with the
+    reason where the fixed variant cannot take the shapes."""
+    check_gemv_shape(x_shape, w, max_m=None)
+    cfg = fixed_gemv_config(w.k, w.n, w.bits, w.group_size)
+    check_gemv_config(cfg, 2, w.k, w.n, w.bits, w.group_size)
+    return cfg
+
+
 def gemv_fixed_fits(w: QuantizedWeight | LayerSlice) -> bool:
     """Whether `quant_matmul_gemv_fixed` takes this weight (callers keep another invariant path for the rest)."""
     try:
-        check_gemv_shape((1, w.k), w, max_m=None)
-        check_gemv_config(fixed_gemv_config(w.k, w.n, w.bits, w.group_size), 2, w.k, w.n, w.bits, w.group_size)
+        checked_fixed_config((1, w.k), w)
     except ValueError:
         return False
     return True
@@ -431,11 +439,9 @@ def quant_matmul_gemv_fixed(x: jax.Array, w: QuantizedWeight | LayerSlice, *, in
     """y [M, N] = x @ dequant(w) for any M >= 1, each row bitwise what the 1-row call on it gives (the fixed
     variant, module docstring): `fixed_gemv_config`, token tiles of TM = 1 (M = 1) or 2 rows, split partials in
     `fixed_order.pairwise_sum`. ValueError for shapes the GEMV kernel cannot take. A LayerSlice is read in place."""
-    check_gemv_shape(x.shape, w, max_m=None)
-    m, k = x.shape
-    cfg = fixed_gemv_config(k, w.n, w.bits, w.group_size)
+    cfg = checked_fixed_config(x.shape, w)
+    m = x.shape[0]
     tm = 1 if m == 1 else 2
-    check_gemv_config(cfg, tm, k, w.n, w.bits, w.group_size)
     rows = -(-m // tm) * tm
     xp = x if rows == m else jnp.pad(x, ((0, rows - m), (0, 0)))
     y = _gemv_pallas_call(xp, w, cfg, tm, interpret, "quant_gemv_fixed")[..., :m, :]
