@@ -179,17 +179,18 @@ def main(argv=None) -> int:
         r["pp1_equal"] = out.text == r["text"]
         matches += r["pp1_equal"]
     tok_s = [sum(r["completion_tokens"] for r in rows if r["stream"] == s) / max(walls[s], 1e-9) for s in range(2)]
-    summary = dict(requests_completed=len(completed), requests_sent=len(rows),
-                   greedy_matches_pp1=matches / len(greedy) if greedy else None, greedy_compared=len(greedy),
-                   faults=len(faults), degenerate_outputs=len(degenerate), tok_s_per_stream=tok_s,
-                   tok_s_aggregate=sum(tok_s), stage_idle_fraction=idle, batch_invariant=args.batch_invariant,
-                   partition=list(partition), layers=cfg.num_hidden_layers, experts=cfg.num_experts,
-                   smoke=args.smoke, wall_s=time.perf_counter() - t0, device=devs[0].device_kind,
+    summary = dict(requests_completed=len(completed),  # exactly the keys; the rest beside it
+                   greedy_matches_pp1=matches / len(greedy) if greedy else None, faults=len(faults),
+                   degenerate_outputs=len(degenerate), tok_s_per_stream=tok_s, device=devs[0].device_kind,
                    date=time.strftime("%Y-%m-%d"))
+    details = dict(requests_sent=len(rows), greedy_compared=len(greedy), tok_s_aggregate=sum(tok_s),
+                   stage_idle_fraction=idle, batch_invariant=args.batch_invariant, partition=list(partition),
+                   layers=cfg.num_hidden_layers, experts=cfg.num_experts, smoke=args.smoke,
+                   wall_s=time.perf_counter() - t0)
     for r in rows:
         r["text"] = (r["text"] or "")[:200]  # keep the JSON small
-    path = save_result("pp3_live.json", rows, args.out, summary=summary)
-    print(json.dumps(summary, indent=1))
+    path = save_result("pp3_live.json", rows, args.out, summary=summary, **details)
+    print(json.dumps(dict(summary, **details), indent=1))
     print("wrote", path)
     return 0 if not faults and not degenerate and matches == len(greedy) else 1
 
