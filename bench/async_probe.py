@@ -2,7 +2,7 @@
 bench/real_size.py measured the async twin's launch phase at 3.5-7 ms against 0.7 ms plain, with its phase timer
 blocking after each launch. Here nothing blocks: each part of `Engine.step` (building the batch, the chain program's
 launch inside it, the ledger flush, the model step's launch, the sampler, the commit) is timed on the host as the
-engine runs it, for the plain engine and its async twin (one runner: shared compiled steps), decode at B = 1 and 2.
+engine runs it, and a cProfile pass names the host functions with the most own time (a blocking wait shows there), for the plain engine and its async twin (one runner: shared compiled steps), decode at B = 1 and 2.
 The real config cut to --layers layers, 32 experts, random INT4-Mixed weights. Prints a table; JSON to --out.
 
     PYTHONPATH=. python3 bench/async_probe.py --layers 4 --out $OUT/async_probe.json     (~3 min on an H100)
@@ -12,7 +12,9 @@ The real config cut to --layers layers, 32 experts, random INT4-Mixed weights. P
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import os
 import statistics
 import sys
@@ -57,6 +59,7 @@ def run(lm: LLM, batch: int, steps: int, vocab: int) -> dict:
                     SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)) for b in range(batch)]
     for _ in range(8):  # prefill, then warm decode steps
         eng.step()
+    hot = profiled_functions(eng, steps)
     times = timed_parts(eng)
     walls = []
     for _ in range(steps):
@@ -71,7 +74,22 @@ def run(lm: LLM, batch: int, steps: int, vocab: int) -> dict:
     eng.ledger.__dict__.pop("flush", None)
     return {"step_ms": statistics.median(walls) * 1e3,
             **{f"{k.strip('_')}_ms": statistics.median(v) * 1e3 if v else 0.0 for k, v in times.items()},
-            **{f"{k.strip('_')}_calls": len(v) for k, v in times.items()}}
+            **{f"{k.strip('_')}_calls": len(v) for k, v in times.items()}, "hot_functions": hot}
+
+
+def profiled_functions(eng, steps: int, top: int = 12) -> list[dict]:
+    """The host functions with the most own time over `steps` engine steps (cProfile): a call that waits on the
+    device (a transfer, a launch held by a buffer still in use) shows up here with its wait as own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{fn}:{line}({name})".split("site-packages/")[-1], "calls_per_step": v[1] / steps,
+             "own_ms_per_step": v[2] / steps * 1e3, "cum_ms_per_step": v[3] / steps * 1e3}
+            for (fn, line, name), v in rows]
 
 
 def main(argv=None):
@@ -99,7 +117,10 @@ def main(argv=None):
             row = {"engine": "async" if mode else "plain", "batch": batch, **run(lm, batch, args.steps,
                                                                                   cfg.vocab_size)}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "hot_functions"}), flush=True)
+            for h in row["hot_functions"][:6]:
+                print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:7.3f} cum "
+                      f"{h['calls_per_step']:5.1f}x  {h['function']}", flush=True)
     cols = ["step_ms", "build_batch_ms", "run_chain_ms", "flush_ms", "launch_model_step_ms", "choose_tokens_ms",
             "commit_ms"]
     print("engine  B " + " ".join(f"{c[:-3]:>18}" for c in cols))
