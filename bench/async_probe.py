@@ -56,7 +56,8 @@ def timed_parts(eng) -> dict[str, list[float]]:
 def run(lm: LLM, batch: int, steps: int, vocab: int) -> dict:
     eng = lm.engine
     reqs = [lm._add([(31 * i + 7 * b) % vocab for i in range(200)],
-                    SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)) for b in range(batch)]
+                    SamplingParams(temperature=0.0, max_tokens=2 * steps + 20, ignore_eos=True)) for b in range(batch)]
+    # max_tokens covers the warm steps, the profiled pass and the timed pass: every timed step decodes every row
     for _ in range(8):  # prefill, then warm decode steps
         eng.step()
     hot = profiled_functions(eng, steps)
@@ -66,6 +67,7 @@ def run(lm: LLM, batch: int, steps: int, vocab: int) -> dict:
         t0 = time.perf_counter()
         eng.step()
         walls.append(time.perf_counter() - t0)
+    assert all(not r.finished for r in reqs), "a request finished inside the timed steps"
     for r in reqs:
         eng.abort(r.request_id)
         lm._forget(r.request_id)
@@ -97,6 +99,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="real_size.py's 2-layer demo-sized model (a CPU check)")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--engines", default="plain,async", help="which engines to probe (comma-separated)")
+    ap.add_argument("--batches", default="1,2", help="decode batch sizes (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -109,11 +113,12 @@ def main(argv=None):
     model = api.Model(cfg, params, table=None, dtype=jnp.bfloat16)
     runner = RandomPleRunner(model, 0)
     rows = []
-    for mode in (False, True):
+    engines = args.engines.split(",")
+    for mode in [m == "async" for m in ("plain", "async") if m in engines]:
         lm = LLM(runner, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, page_size=64, num_pages=48,
                  prefill_buckets=(512,), page_table_width="max", compile_ahead=False, batch_invariant=False,
                  async_scheduling=mode)
-        for batch in (1, 2):
+        for batch in [int(b) for b in args.batches.split(",")]:
             row = {"engine": "async" if mode else "plain", "batch": batch, **run(lm, batch, args.steps,
                                                                                   cfg.vocab_size)}
             rows.append(row)

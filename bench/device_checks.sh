@@ -6,6 +6,8 @@
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 #   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
+#   bash bench/device_checks.sh probe48      # issue 16: the async probe at 48 layers (device-bound, as the real size),
+#                                            # then again with XLA's command buffers off (does a graph update block?)
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 set -u
@@ -46,5 +48,17 @@ case "${1:-}" in
     timeout 200 python3 bench/async_probe.py --layers 4 --steps 30 --out "$OUT/async_probe.json" \
         > "$OUT/async_probe.log" 2>&1
     echo "async_probe rc=$?"; tail -n 6 "$OUT/async_probe.log" ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds" >&2; exit 2 ;;
+  probe48)
+    timeout 330 python3 bench/async_probe.py --layers 48 --steps 30 --out "$OUT/async_probe_48.json" \
+        > "$OUT/async_probe_48.log" 2>&1
+    echo "async_probe 48 rc=$?"; grep -v "^    " "$OUT/async_probe_48.log" | tail -n 6; grep "^    " "$OUT/async_probe_48.log" | head -24
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 220 python3 bench/async_probe.py --layers 48 --steps 30 \
+        --out "$OUT/async_probe_48_no_cmdbuf.json" > "$OUT/async_probe_48_no_cmdbuf.log" 2>&1
+    echo "async_probe 48 no command buffers rc=$?"; tail -n 6 "$OUT/async_probe_48_no_cmdbuf.log" ;;
+  probe48async)
+    # the async engine alone at B = 1 (probe48 ran out of time compiling both engines; its plain row is committed)
+    timeout 420 python3 bench/async_probe.py --layers 48 --steps 30 --engines async --batches 1 \
+        --out "$OUT/async_probe_48_async.json" > "$OUT/async_probe_48_async.log" 2>&1
+    echo "async_probe 48 async rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async.log" | tail -n 20 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async" >&2; exit 2 ;;
 esac
