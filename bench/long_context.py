@@ -96,6 +96,8 @@ def main():
                     help="per length, one more request whose decode steps (after two) run under the profiler: "
                          "GPU time per decode step by model scope")
     ap.add_argument("--hlo-dump", default=None, help="the --xla_dump_to directory (maps kernels to model scopes)")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.batch_invariant (default: the engine's, on; GPU results before stop 46 ran with it off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -121,7 +123,8 @@ def main():
     def start(num_pages=None):
         return LLM(RandomPleRunner(model, 0), max_num_seqs=1, max_num_batched_tokens=chunk,
                    page_size=args.page_size, max_model_len=max_len, num_pages=num_pages,
-                   gpu_memory_utilization=args.gpu_memory_utilization, precompile=not args.no_precompile)
+                   gpu_memory_utilization=args.gpu_memory_utilization, precompile=not args.no_precompile,
+                   batch_invariant=args.batch_invariant)
 
     lm = start(args.num_pages)
     startup = dict(startup_s=time.perf_counter() - t0, startup_compiles=len(_COMPILES) - n0,
@@ -132,7 +135,8 @@ def main():
 
     def save(summary=None):
         return save_result("long_context.json", rows, args.out, summary=summary, smoke=SMOKE, chunk=chunk,
-                           page_size=args.page_size, experts=cfg.num_experts, pool_sizing=pool_sizing, **startup)
+                           page_size=args.page_size, experts=cfg.num_experts, pool_sizing=pool_sizing,
+                           batch_invariant=lm.engine.cfg.batch_invariant, **startup)
 
     for n in lengths:
         row = dict(prompt_tokens=n)

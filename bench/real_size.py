@@ -175,6 +175,7 @@ class Plan:
     phase_steps: int
     profile_steps: int
     profile: str  # "key" (greedy rows; MTP: pattern "all"), "all", "none"
+    batch_invariant: bool | None = None  # EngineConfig.batch_invariant (None: the engine's default, on)
 
     @property
     def decode_tokens(self) -> int:
@@ -256,7 +257,8 @@ def make_llm(model, bench: Bench, plan: Plan, runner: RandomPleRunner | None = N
                max_model_len=mml, page_size=ps, num_pages=num_pages, num_snapshots=16,
                enable_prefix_caching=True, block_size=min(plan.contexts.values()),
                speculative_config={"method": "mtp", "num_speculative_tokens": bench.k} if bench.k else None,
-               prefill_buckets=(bench.chunk,), page_table_width="max", compile_ahead=False)
+               prefill_buckets=(bench.chunk,), page_table_width="max", compile_ahead=False,
+               batch_invariant=plan.batch_invariant)
 
 
 def precompile(benches: list[Bench], plan: Plan, threads: int) -> dict:
@@ -456,6 +458,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", default="1,2")
     ap.add_argument("--no-32k", action="store_true", help="skip the 32K context (its prefill and decode runs)")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP engine")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.batch_invariant (default: the engine's, on; GPU results before stop 46 ran with it off)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also the plain engine with async scheduling (EngineConfig.async_scheduling), beside it")
     ap.add_argument("--mtp-32k", action="store_true", help="also an MTP engine at 32K (2-3 more compiles)")
@@ -500,7 +504,7 @@ def make_plan(args) -> Plan:
                 batches=tuple(sorted(int(b) for b in args.batch.split(","))),
                 samplings=tuple(args.sampling.split(",")), patterns=tuple(args.patterns.split(",")),
                 mtp=not args.no_mtp, mtp_long=args.mtp_32k and "32k" in contexts and not args.no_mtp,
-                profile=args.profile, **steps)
+                profile=args.profile, batch_invariant=args.batch_invariant, **steps)
 
 
 def main(argv=None) -> dict:
@@ -583,6 +587,7 @@ def main(argv=None) -> dict:
                 if b.name not in engines:
                     engines[b.name] = dict(k=b.k, chunk=b.chunk, max_model_len=eng.cfg.max_model_len,
                                            num_pages=eng.cfg.num_pages, page_table_width=eng.max_pages_per_row,
+                                           batch_invariant=eng.cfg.batch_invariant, token_kinds=eng.cfg.token_kinds,
                                            steps_precompiled=len(b.keys(plan)), warm_up_s=eng.warm_up())
                 if (b.name, ctx) not in primed:  # the context's prompt, prefilled alone, its snapshot kept
                     if ctx == "32k" and b.name == "plain":  # the 32K prefill figure: the second of two prompts

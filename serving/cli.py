@@ -69,8 +69,8 @@ def add_serve_parser(sub, parents=()) -> None:
                         "leave of it (on the CPU: see docs/engine-design.md)")
     p.add_argument("--enable-prefix-caching", action="store_true", help="reuse the state of shared prompt prefixes")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a request's tokens and logprobs do not depend on what runs beside it (default: on for "
-                        "the CPU, off on the GPU until its kernels are invariant: docs/batch-invariance.md)")
+                   help="a request's tokens and logprobs do not depend on what runs beside it (default: on; "
+                        "~1.1x a decode step on the GPU: docs/batch-invariance.md)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache page size and prefix-snapshot granularity, in tokens")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'')

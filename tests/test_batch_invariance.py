@@ -52,6 +52,21 @@ def test_tree_sum_row_does_not_depend_on_the_other_rows():
     assert fixed_order.logsumexp(jnp.full((3,), -jnp.inf)) == -jnp.inf
 
 
+def test_engine_default_is_invariant_on_every_backend(monkeypatch):
+    """The engine's default (`default_mode()`) is on for the GPU too since token kinds brought its cost to ~1.1x a
+    decode step (docs/batch-invariance.md, "Stop 46"); code traced outside an engine context keeps the fast
+    dispatch on the GPU (`traced_default()`) and the invariant forms on the CPU; a context overrides both."""
+    from pallas_kernels import fixed_order
+
+    for backend, traced in (("cpu", True), ("gpu", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert fixed_order.default_mode() is True
+        assert fixed_order.enabled() is traced, backend
+        with fixed_order.batch_invariant(not traced):
+            assert fixed_order.enabled() is (not traced)
+        assert fixed_order.enabled() is traced
+
+
 def test_linear_one_row_equals_the_same_row_among_others():
     """XLA's CPU backend computes a one-row dot as a matrix-vector product that rounds differently (at this size:
     bench/results/invariance_probe_cpu.json); `linear` sends one row in as two."""

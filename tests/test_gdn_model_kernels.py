@@ -171,7 +171,7 @@ def test_pallas_with_bf16_activations_uses_the_kernels(monkeypatch, t, k1, entry
     p16 = _gdn_params(jnp.bfloat16)
     inputs = make_inputs(300 + t, [t], t, jnp.bfloat16)
     ends = None if k1 is None else runner_ends(inputs[4], k1)
-    # the GPU's default mode (fixed_order.default_mode(): batch invariance off there); on, the projections would
+    # batch invariance off (as `--no-batch-invariant`); on, the projections would
     # take the Pallas dense_matmul, which this CPU cannot run un-interpreted
     with fixed_order.batch_invariant(False), pytest.raises(KernelCalled):
         run(monkeypatch, "pallas", p16, inputs, ends)
