@@ -11,9 +11,9 @@ setting: "plain" (k = 0) for 4K and 32K, "mtp" (k = 1) for 4K; `--mtp-32k` adds 
 EngineConfig.async_scheduling, run right after each plain configuration ("ratios": async_tokens_per_s_over_plain).
 
 The BF16 head's routed experts go through `moe.routed_experts_reference`, an XLA gather of every token's 10 experts
-(~0.1 GB per token): a prefill chunk of 8192 tokens would need ~1 TB, so the MTP engines prefill in chunks of
-`--mtp-chunk` (64) tokens; their decode steps (2-4 tokens) are what users would run. (Serving the release checkpoint
-with MTP at the default 8192-token chunk cannot work until the head is quantized or its MoE path changes.)
+(~0.1 GB per token), but only where the head drafts (the tail columns): in a prefill step it folds the chunk's
+pairs into its cache, and XLA drops its attention and MoE there (tests/test_mtp_prefill_memory.py), so the MTP
+engines prefill in the plain engine's chunk unless `--mtp-chunk` says otherwise (before stop 46: 64).
 
 Few compiled shapes (~1 minute each at the real size): every engine compiles, before any request, one prefill step
 (B = 1, its chunk: the only prefill bucket) and one decode step per B, with the engine's own `precompile`
@@ -163,7 +163,7 @@ class Plan:
 
     contexts: dict  # "4k" / "32k" -> prompt tokens of that context (the 32K one absent when skipped)
     chunk: int  # max_num_batched_tokens of the plain engine: its one prefill bucket
-    mtp_chunk: int  # the MTP engines' (small with a BF16 head: see --mtp-chunk)
+    mtp_chunk: int  # the MTP engines' (--mtp-chunk, default the plain engine's)
     page_size: int
     batches: tuple[int, ...]
     samplings: tuple[str, ...]
@@ -467,8 +467,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--patterns", default=",".join(PATTERNS), help="MTP acceptance patterns, of " + ",".join(PATTERNS))
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens, the one prefill bucket")
     ap.add_argument("--mtp-chunk", type=int, default=None,
-                    help="the MTP engines' chunk (default: 64 with the BF16 head, whose experts' XLA gather takes\n"
-                         "~0.1 GB per prefill token: 8192 tokens would need ~0.8-1.6 TB; --chunk when quantized)")
+                    help="the MTP engines' chunk (default: --chunk; a prefill step computes none of the head's MoE)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="timed steps per configuration")
@@ -499,7 +498,7 @@ def make_plan(args) -> Plan:
     if args.tiny:
         steps = dict(warm=3, steps=6, phase_steps=2, profile_steps=2)
     chunk = 64 if args.tiny else args.chunk
-    mtp_chunk = 16 if args.tiny else args.mtp_chunk or (chunk if args.mtp_quantized else 64)
+    mtp_chunk = 16 if args.tiny else args.mtp_chunk or chunk
     return Plan(contexts=contexts, chunk=chunk, mtp_chunk=mtp_chunk, page_size=16 if args.tiny else args.page_size,
                 batches=tuple(sorted(int(b) for b in args.batch.split(","))),
                 samplings=tuple(args.sampling.split(",")), patterns=tuple(args.patterns.split(",")),
