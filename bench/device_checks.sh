@@ -6,6 +6,7 @@
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 #   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
+#   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
 #   bash bench/device_checks.sh probe48      # issue 16: the async probe at 48 layers (device-bound, as the real size),
 #                                            # then again with XLA's command buffers off (does a graph update block?)
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
@@ -60,5 +61,9 @@ case "${1:-}" in
     timeout 420 python3 bench/async_probe.py --layers 48 --steps 30 --engines async --batches 1 \
         --out "$OUT/async_probe_48_async.json" > "$OUT/async_probe_48_async.log" 2>&1
     echo "async_probe 48 async rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async.log" | tail -n 20 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async" >&2; exit 2 ;;
+  prefill)
+    timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
+        > "$OUT/invariant_prefill.log" 2>&1
+    echo "invariant_prefill rc=$?"; grep -v "compiling engine\|INFO" "$OUT/invariant_prefill.log" | tail -n 8 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill" >&2; exit 2 ;;
 esac
