@@ -71,8 +71,8 @@ class ChatShaper:
             calls = self._stream.new_calls(content)
         if delta:
             out.append({"content": delta})
-        if calls:  # each call as soon as its block closes
-            out.append({"tool_calls": [c.openai(i) for i, c in calls]})
+        if calls:  # each call while it is written: its name, then fragments of its arguments
+            out.append({"tool_calls": calls})
         if finished and self._stream.calls:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return out, finish_reason

@@ -110,28 +110,68 @@ def test_forced_grammars_accept_a_valid_call_and_parse_back(name):
         forced_call_grammar(parser, TOOLS, {"type": "function", "function": {"name": "nope"}}, False)
 
 
-def test_tool_call_stream_holds_back_a_partial_tag_and_sends_each_call_when_its_block_closes():
-    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    text = "Sure " + first + "\n" + second
-    stream, sent, calls_at = ToolCallStream(HermesToolParser()), "", {}
+def _stream(stream, text):
+    """Feed `text` one character at a time -> (content sent, every tool_calls delta with the length of text
+    that produced it)."""
+    sent, deltas = "", []
     for i in range(1, len(text) + 1):
         sent += stream.feed(text[:i])
-        assert "<" not in sent
-        for index, call in stream.new_calls(text[:i]):
-            calls_at[index] = (i, call)
+        deltas += [(i, d) for d in stream.new_calls(text[:i])]
     rest, last = stream.finish(text)
-    assert (sent + rest).strip() == "Sure" and last == []  # both calls already went out
-    assert [c.name for _, c in sorted(calls_at.values(), key=lambda x: x[0])] == ["get_time", "get_weather"]
-    assert calls_at[0][0] == len("Sure " + first)  # the first call at the character closing its block
-    assert calls_at[1][0] == len(text)
-    assert [c.id for c in stream.calls] == [calls_at[0][1].id, calls_at[1][1].id]  # ids kept, never re-drawn
-    # an unclosed block at the end is not a call: it goes out as content
+    return sent + rest, deltas + [(len(text), d) for d in last]
+
+
+def _accumulate(deltas):
+    """What a client builds from the deltas (by index): [(id, name, arguments)] in index order."""
+    calls: dict = {}
+    for _, d in deltas:
+        c = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in d:
+            assert c["id"] is None, "a call's id and name come once"
+            c["id"], c["name"] = d["id"], d["function"]["name"]
+        c["arguments"] += d["function"]["arguments"]
+    return [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+def test_tool_call_stream_sends_each_call_while_it_is_written():
+    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC", "hours": [1, 2]}}\n</tool_call>'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = "Sure " + first + "\n" + second
     stream = ToolCallStream(HermesToolParser())
-    cut = "Hi " + first[:-3]
-    assert stream.feed(cut) == "Hi " and stream.new_calls(cut) == []
-    rest, calls = stream.finish(cut)
-    assert calls == [] and rest == first[:-3]
+    content, deltas = _stream(stream, text)
+    assert content.strip() == "Sure" and "<" not in content
+    whole = HermesToolParser().parse(text)[1]
+    assert [(n, a) for _, n, a in _accumulate(deltas)] == [(c.name, c.arguments) for c in whole]
+    assert [c.id for c in stream.calls] == [i for i, _, _ in _accumulate(deltas)]  # ids kept, never re-drawn
+    assert json.loads(stream.calls[0].arguments) == {"zone": "UTC", "hours": [1, 2]}
+    # streamed while written: the name goes out once complete, the arguments in several fragments, all before
+    # the block closes but the last
+    header = next(i for i, d in deltas if d["index"] == 0)
+    assert header == text.index('"get_time"') + len('"get_time"')
+    assert sum(d["index"] == 0 for _, d in deltas) > 10
+    # cut off inside a call: the call stands with what was written of its arguments; before its name: content
+    stream = ToolCallStream(HermesToolParser())
+    content, deltas = _stream(stream, "Hi " + first[:-30])
+    assert content == "Hi " and _accumulate(deltas) == [(stream.calls[0].id, "get_time",
+                                                         first[first.index('{"zone"'):-30])]
+    stream = ToolCallStream(HermesToolParser())
+    content, deltas = _stream(stream, "Hi " + first[:20])
+    assert deltas == [] and stream.calls == [] and content == "Hi " + first[:20]
+    # a block that does not parse and never named a call stays content
+    stream = ToolCallStream(HermesToolParser())
+    content, deltas = _stream(stream, "<tool_call>\n{not json}\n</tool_call>")
+    assert deltas == [] and content == "<tool_call>\n{not json}\n</tool_call>"
+
+
+def test_qwen3_xml_stream_sends_each_parameter_as_it_closes():
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n" \
+           "</parameter>\n</function>\n</tool_call>"
+    stream = ToolCallStream(Qwen3XmlToolParser(TOOLS))
+    content, deltas = _stream(stream, text)
+    assert content == "" and _accumulate(deltas) == [(stream.calls[0].id, "get_weather", '{"city": "New York", '
+                                                                                           '"days": 3}')]
+    assert [d["function"]["arguments"] for _, d in deltas] == ["{", '"city": "New York"', ', "days": 3', "}"]
+    assert Qwen3XmlToolParser(TOOLS).parse(text)[1][0].arguments == stream.calls[0].arguments
 
 
 @pytest.mark.parametrize("starts_in_think, text, reasoning, content", [
@@ -156,8 +196,9 @@ def test_chat_shaper_streams_reasoning_then_tool_calls():
         deltas, finish = shaper.deltas(text[:i], i == len(text), "stop" if i == len(text) else None)
         got += deltas
     assert "".join(d.get("reasoning_content", "") for d in got) == "think"
-    calls = [tc for d in got for tc in d.get("tool_calls", [])]
-    assert finish == "tool_calls" and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time")]
+    calls = _accumulate([(0, tc) for d in got for tc in d.get("tool_calls", [])])
+    assert finish == "tool_calls" and [(name, json.loads(args)) for _, name, args in calls] == [
+        ("get_time", {"zone": "UTC"})]
 
 
 # ----------------------------------------------------------------------------------- through the openai client
@@ -215,9 +256,11 @@ def test_forced_tool_calls_streamed(base_url, parser):
     chunks = list(_client(base_url, parser).chat.completions.create(
         model="demo_model", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         temperature=0.8, seed=4, max_tokens=96, stream=True, extra_body=NO_THINK))
-    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    deltas = [(0, tc.model_dump(exclude_none=True)) for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    calls = _accumulate([(i, d | {"function": {"arguments": "", **d.get("function", {})}}) for i, d in deltas])
     assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
-    _check_call(calls[0].function.name, calls[0].function.arguments)
+    assert len(deltas) > 1  # the call streamed in pieces, not sent whole at its end
+    _check_call(calls[0][1], calls[0][2])
 
 
 def test_tool_choice_none_and_unknown_function(base_url):
