@@ -120,8 +120,9 @@ def linear(x: jax.Array, w) -> jax.Array:
         return y.reshape(*v.shape[:-1], y.shape[-1]).astype(x.dtype)
 
     if token_kinds.current() is not None and gemv_fixed_fits(w):
-        # a step with token kinds: generated tokens on the fixed GEMV, prompt tokens on the tensor-core kernel
-        return token_kinds.by_kind(x, lambda v: matmul(v, "gemv_fixed"), matmul)
+        # a step with token kinds: generated tokens on the fixed GEMV, prompt tokens on the tensor-core kernel in
+        # its prompt-token configuration (no split: prompt steps are prefill chunks)
+        return token_kinds.by_kind(x, lambda v: matmul(v, "gemv_fixed"), lambda v: matmul(v, "prompt_fixed"))
     return matmul(x)
 
 

@@ -283,7 +283,7 @@ def default_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseC
                        weights_left=True)
 
 
-def invariant_config(m: int, k: int, n: int, bits: int, group_size: int) -> DenseConfig:
+def invariant_config(m: int, k: int, n: int, bits: int, group_size: int, prompt_tokens: bool = False) -> DenseConfig:
     """The batch-invariant configuration (pallas_kernels/fixed_order.py): a row's result must not depend on M.
 
     What sets a row's rounding is the order of its additions: the split of the K groups (fp32 partials summed by
@@ -291,9 +291,14 @@ def invariant_config(m: int, k: int, n: int, bits: int, group_size: int) -> Dens
     weights are always the dot's left operand; only BM follows M (16 or 64), which leaves each row's arithmetic
     alone (bench/results/quant_invariance_*.json: every weights-left configuration gives the same bits at every M
     from 1 to 8192; weights-right BM 128 does not). Split 4 keeps decode within ~1.0-1.2x of the auto dispatch
-    on the H100 (M <= 32), at 2.5-3x its time for prefill-sized M, where auto takes XLA's dot."""
+    on the H100 (M <= 32), at 2.5-3x its time for prefill-sized M, where auto takes XLA's dot.
+
+    prompt_tokens: the kernel computes prompt tokens only (token kinds, flashnext_jax/token_kinds.py: generated
+    tokens take the fixed GEMV), whose steps are prefill chunks: no split (on the H100 at M = 8192, BM 64: 0.85 vs
+    1.17 ms for int4 2560x4096, 0.33 vs 0.48 for int8 2560x1280; split 4 is 10-30% faster only at M <= 256,
+    bench/results/quant_invariance_splits_h100.json). Still one split for every M, so still invariant."""
     n_groups = k // group_size
-    splits = 4 if n_groups % 4 == 0 else 2 if n_groups % 2 == 0 else 1
+    splits = 1 if prompt_tokens else 4 if n_groups % 4 == 0 else 2 if n_groups % 2 == 0 else 1
     return DenseConfig(bm=16 if m <= 16 else 64, bn=pow2_divisor(n, 64 if bits == 4 else 128), splits=splits,
                        groups_per_iter=1, num_warps=4, num_stages=1 if bits == 8 else 3, weights_left=True)
 
@@ -351,7 +356,7 @@ DECODE_MAX_M = 32  # above this, dequant + XLA dot is faster than the kernel (se
 # every benchmarked shape (int4 8192x28672: 52.5 vs 119 us; lm_head int8: 186 vs 296 us at M = 1) and loses
 # from M = 4 (int4 8192x28672 138 us: each extra token re-does the per-weight multiply-adds on CUDA cores).
 GEMV_AUTO_MAX_M = 2
-PATHS = ("auto", "kernel", "dequant_dot", "gemv", "gemv_fixed")
+PATHS = ("auto", "kernel", "dequant_dot", "gemv", "gemv_fixed", "prompt_fixed")
 
 
 def dequant_dot_xla(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -373,7 +378,9 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
     dequant_dot_xla), 'kernel' (raises ValueError for shapes it cannot take), 'dequant_dot', 'gemv' (the
     CUDA-core GEMV kernel for M <= GEMV_MAX_M; raises ValueError for shapes it cannot take; config is then a
     GemvConfig) or 'gemv_fixed' (the GEMV kernel's batch-invariant variant for any M, quant_matmul_gemv_fixed:
-    its configuration is fixed, so it takes no config; ValueError for shapes it cannot take). A plain
+    its configuration is fixed, so it takes no config; ValueError for shapes it cannot take) or 'prompt_fixed'
+    (as 'auto', but a batch-invariant trace takes the prompt-token configuration, invariant_config(prompt_tokens=
+    True): the tensor-core kernel's share of a step with token kinds). A plain
     (unquantized) array w always takes the reference path."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -384,13 +391,15 @@ def quant_matmul(x: jax.Array, w, *, impl: str | None = None, config: DenseConfi
         return quant_matmul_reference(x, unstacked(w))
     if path == "gemv_fixed":
         return quant_matmul_gemv_fixed(x, w, interpret=(mode == "interpret"))
+    prompt_tokens = path == "prompt_fixed"
+    path = "auto" if prompt_tokens else path
     if path == "auto" and fixed_order.enabled() and config is None:
         try:
             check_kernel_shape(x.shape, w)
         except ValueError:  # a shape the kernel cannot tile: every row count takes XLA's path
             return dequant_dot_xla(x, w)
-        return quant_matmul_pallas(x, w, config=invariant_config(x.shape[0], w.k, w.n, w.bits, w.group_size),
-                                   interpret=(mode == "interpret"))
+        cfg = invariant_config(x.shape[0], w.k, w.n, w.bits, w.group_size, prompt_tokens)
+        return quant_matmul_pallas(x, w, config=cfg, interpret=(mode == "interpret"))
     if path == "gemv":
         return quant_matmul_gemv(x, w, config=config, interpret=(mode == "interpret"))
     if path == "dequant_dot" or (path == "auto" and x.shape[0] > DECODE_MAX_M):

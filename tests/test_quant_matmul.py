@@ -472,9 +472,11 @@ def test_auto_dispatch_takes_gemv_for_one_or_two_tokens_then_the_tensor_core_ker
     assert calls, "path='auto' at M = 2 must run the GEMV kernel"
 
 
-def test_batch_invariant_traces_take_one_kernel_configuration_for_every_row_count(monkeypatch):
+@pytest.mark.parametrize("path, split", [("auto", 4), ("prompt_fixed", 1)])
+def test_batch_invariant_traces_take_one_kernel_configuration_for_every_row_count(monkeypatch, path, split):
     """Under fixed_order.batch_invariant(True) path='auto' runs the tensor-core kernel at every M (no GEMV, no XLA
-    dot), with the split and the operand order fixed by K and N alone; only BM follows M."""
+    dot), with the split and the operand order fixed by K and N alone; only BM follows M. 'prompt_fixed' (the
+    prompt tokens of a step with token kinds) likewise, with no split."""
     rng, seed = fresh_rng()
     _, _, w = random_weight(rng, 512, 64, 4, 128)
     configs = []
@@ -484,8 +486,8 @@ def test_batch_invariant_traces_take_one_kernel_configuration_for_every_row_coun
     monkeypatch.setattr(qm, "dequant_dot_xla", lambda *a, **k: pytest.fail("XLA dot in a batch-invariant trace"))
     x = random_x(rng, 40, 512)
     with fixed_order.batch_invariant(True):
-        ys = {m: np.asarray(quant_matmul(x[:m], w, impl="interpret")) for m in (1, 2, 3, 33, 40)}
-    assert {(c.splits, c.bn, c.weights_left, c.groups_per_iter) for c in configs} == {(4, 64, True, 1)}
+        ys = {m: np.asarray(quant_matmul(x[:m], w, impl="interpret", path=path)) for m in (1, 2, 3, 33, 40)}
+    assert {(c.splits, c.bn, c.weights_left, c.groups_per_iter) for c in configs} == {(split, 64, True, 1)}
     assert {c.bm for c in configs} == {16, 64}
     assert_close_to_reference(jnp.asarray(ys[40]), x, w, seed)
     for m, y in ys.items():  # the interpreted kernel's rows do not depend on M either

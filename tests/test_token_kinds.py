@@ -209,10 +209,15 @@ def test_on_the_kernels_each_request_equals_its_solo_run(interpret_kernels, monk
         real = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _real=real, _name=name, **kw: traced.append(_name) or _real(*a, **kw))
+    splits = []  # the tensor-core kernel's split-K: prompt tokens take the prompt-token configuration (none)
+    real_tc = quant_matmul.quant_matmul_pallas
+    monkeypatch.setattr(quant_matmul, "quant_matmul_pallas",
+                        lambda *a, **kw: splits.append(kw["config"].splits) or real_tc(*a, **kw))
     outs, alone = _kernel_run(monkeypatch, route_by_shape=False)
     for o, a in zip(outs, alone):
         assert _bits(o) == _bits(a)
     assert {"quant_matmul_gemv_fixed", "routed_experts_gemv_fixed"} <= set(traced)  # the GEMVs did run
+    assert splits and set(splits) == {1}
 
 
 def test_routing_by_step_shape_breaks_it(interpret_kernels, monkeypatch):
