@@ -57,10 +57,15 @@ case "${1:-}" in
         --out "$OUT/async_probe_48_no_cmdbuf.json" > "$OUT/async_probe_48_no_cmdbuf.log" 2>&1
     echo "async_probe 48 no command buffers rc=$?"; tail -n 6 "$OUT/async_probe_48_no_cmdbuf.log" ;;
   probe48async)
-    # the async engine alone at B = 1 (probe48 ran out of time compiling both engines; its plain row is committed)
-    timeout 420 python3 bench/async_probe.py --layers 48 --steps 30 --engines async --batches 1 \
+    # the async engine alone at B = 1 (probe48 ran out of time compiling both engines; its plain row is committed:
+    # 8.61 ms a step, launch 1.30 ms), then with XLA's exclusive GPU lock (cheaper command-buffer updates: does a
+    # re-record of the step's ~2,250-node command buffer, for buffers at new addresses, hold the launch?)
+    timeout 280 python3 bench/async_probe.py --layers 48 --steps 30 --engines async --batches 1 \
         --out "$OUT/async_probe_48_async.json" > "$OUT/async_probe_48_async.log" 2>&1
-    echo "async_probe 48 async rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async.log" | tail -n 20 ;;
+    echo "async_probe 48 async rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async.log" | tail -n 12
+    XLA_FLAGS=--xla_gpu_require_exclusive_lock=true timeout 280 python3 bench/async_probe.py --layers 48 --steps 30 \
+        --engines async --batches 1 --out "$OUT/async_probe_48_async_lock.json" > "$OUT/async_probe_48_async_lock.log" 2>&1
+    echo "async_probe 48 async, exclusive lock rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async_lock.log" | tail -n 12 ;;
   prefill)
     timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
         > "$OUT/invariant_prefill.log" 2>&1
