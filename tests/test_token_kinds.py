@@ -176,22 +176,31 @@ def _quantized_demo_llm(max_num_seqs: int, budget: int) -> fj.LLM:
 
 _QUANTIZED: dict = {}
 KERNEL_PROMPTS = [[3 + i * 7 % 500 for i in range(n)] for n in (21, 6, 13)]
+KERNEL_PARAMS = fj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+_SOLO: list = []
+
+
+def _solo_runs() -> list:
+    """Each of KERNEL_PROMPTS alone, made once for both tests below. (A solo run's steps hold prompt tokens only or
+    one generated token, so the control's naive rule would route them as the real one does.)"""
+    if not _SOLO:
+        solo = _quantized_demo_llm(1, 32)
+        _SOLO.extend(solo.generate([p], KERNEL_PARAMS)[0] for p in KERNEL_PROMPTS)
+    return _SOLO
 
 
 def _kernel_run(monkeypatch, route_by_shape: bool) -> tuple[list, list]:
     """(batched outputs, solo outputs) of KERNEL_PROMPTS; route_by_shape: the naive rule (a prefill-shaped step
     sends every token to the tensor-core kernel), the control."""
+    alone = _solo_runs()  # before the control's rule: the reference stays the real one
     if route_by_shape:
         real = token_kinds.by_kind
         monkeypatch.setattr(token_kinds, "by_kind", lambda x, gen, prompt: (
             gen(x) if token_kinds.current() is not None and token_kinds.current().all_generated else prompt(x))
             if token_kinds.current() is not None else real(x, gen, prompt))
-    sp = fj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     batched = _quantized_demo_llm(3, 32)
     assert batched.engine.cfg.token_kinds
-    outs = batched.generate(KERNEL_PROMPTS, sp)
-    solo = _quantized_demo_llm(1, 32)
-    alone = [solo.generate([p], sp)[0] for p in KERNEL_PROMPTS]
+    outs = batched.generate(KERNEL_PROMPTS, KERNEL_PARAMS)
     return outs, alone
 
 
