@@ -44,11 +44,15 @@ class Harness(EngineHarness):
         self.engine_args = (k, budget, page)
         # async scheduling (decode rows chained to their in-flight step) needs a runner without MTP and no delay
         async_scheduling = async_scheduling and k == 0 and D == 0
-        self.eng = Engine(RUNNERS[0 if async_scheduling else max(k, 1)], EngineConfig(
+        self.eng = self.build_engine(0 if async_scheduling else max(k, 1), EngineConfig(
             max_num_seqs=slots, num_slots=slots, max_num_batched_tokens=max(budget, k + 1), max_model_len=MAX_LEN,
             num_speculative_tokens=k, enable_prefix_caching=prefix, block_size=block, page_size=page,
             num_pages=pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed, async_scheduling=async_scheduling,
-            **SHAPES), draft_hook=self.hook)
+            **SHAPES))
+
+    def build_engine(self, runner: int, cfg: EngineConfig) -> Engine:
+        """The engine under test on RUNNERS[runner] (test_pipeline_toy.py's harness: on the toy pipeline)."""
+        return Engine(RUNNERS[runner], cfg, draft_hook=self.hook)
 
     def add(self, prompt, max_tokens, ignore_eos, stop_id, seed=None):
         stop = [stop_id] if stop_id is not None else None

@@ -7,6 +7,7 @@ one device (separate stores, params and jitted steps; placement on several devic
 three micro-batches are in flight (pipeline_delay 2..3, a micro-batch capped at 1..slots rows).
 """
 
+import dataclasses
 import random
 
 import jax
@@ -31,13 +32,13 @@ class PipeHarness(Harness):
     """Harness with the engine on the 3-stage toy pipeline; solo runs stay on the one-stage toy."""
 
     def __init__(self, D, k, block, page, slots, budget, prefix, seed, tight_pages, rows):
+        self.rows = rows
         super().__init__(D, k, block, page, slots, budget, prefix, seed, tight_pages)
-        c = self.eng.cfg
-        self.eng = Engine(PIPES[max(k, 1)], EngineConfig(
-            max_num_seqs=c.max_num_seqs, num_slots=c.num_slots, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=MAX_LEN, num_speculative_tokens=k, enable_prefix_caching=prefix, block_size=block,
-            page_size=page, num_pages=c.num_pages, num_snapshots=3, pipeline_delay=D, permute_rows=seed,
-            max_rows_per_step=rows, **SHAPES), draft_hook=self.hook)
+
+    def build_engine(self, runner: int, cfg: EngineConfig) -> Engine:
+        """The harness's engine config (no async scheduling here: runner = max(k, 1)), on the 3-stage pipeline, a
+        micro-batch capped at `rows` rows."""
+        return Engine(PIPES[runner], dataclasses.replace(cfg, max_rows_per_step=self.rows), draft_hook=self.hook)
 
 
 class PipeMachine(EngineMachine):
