@@ -40,8 +40,9 @@ H = 2560
 
 
 def ops(key):
-    """name -> (function of x [M, K] (and, for MoE and GDN, `start`: the batch index of x's first row), K, a description
-    of the path by M)."""
+    """name -> (function of (its weights, x [M, K]) (and, for MoE and GDN, `start`: the batch index of x's first
+    row), its weights, K, a description of the path by M). The weights are the jitted call's arguments, as in the
+    engine's step: captured as constants, XLA folded through them at compile time (a MoE op compiled for a minute)."""
     k = jax.random.split(key, 8)
     q4_up = random_qweight(k[0], (), H, 4096, 4, 128)       # an attention-sized projection, INT4 g128
     q4_down = random_qweight(k[1], (), 4096, H, 4, 128)
@@ -57,25 +58,31 @@ def ops(key):
         jax.random.split(jax.random.fold_in(k[7], 2), 8192)).astype(jnp.int32)  # row i's experts, whatever M
     wts_all = jax.random.uniform(jax.random.fold_in(k[7], 3), (8192, top), jnp.float32, 0.05, 0.2)
 
-    def moe(x, start=0):
+    def moe(p, x, start=0):
         """Rows start.. of the batch: row i is routed to the same experts whether it runs alone or beside others."""
+        ids, wts, gu, down = p
         m = x.shape[0]
-        return routed_experts(x, ids_all[start:start + m], wts_all[start:start + m], moe_gu, moe_down)
+        return routed_experts(x, ids[start:start + m], wts[start:start + m], gu, down)
+
+    def quant(p, x):
+        return quant_matmul(x, p)
     table = {
-        "moe_int4_64x2560x512": (moe, H, lambda m: "moe"),
-        "quant_int4_2560x4096": (lambda x: quant_matmul(x, q4_up), H, lambda m: dispatch_path((m, H), q4_up)),
-        "quant_int4_4096x2560": (lambda x: quant_matmul(x, q4_down), 4096, lambda m: dispatch_path((m, 4096), q4_down)),
-        "quant_int8_2560x1280": (lambda x: quant_matmul(x, q8), H, lambda m: dispatch_path((m, H), q8)),
-        "linear_bf16_router_512": (lambda x: linear(x, router), H, lambda m: "reduce" if m <= 8 else "dot"),
-        "linear_bf16_small_48": (lambda x: linear(x, small), H, lambda m: "reduce" if m <= 8 else "dot"),
-        "linear_bf16_4096": (lambda x: linear(x, dense), H, lambda m: "dot"),
-        "dense_matmul_4096": (lambda x: dense_matmul(x, dense, interpret=resolve_impl(None) != "pallas"), H,
+        "moe_int4_64x2560x512": (moe, (ids_all, wts_all, moe_gu, moe_down), H, lambda m: "moe"),
+        "quant_int4_2560x4096": (quant, q4_up, H, lambda m: dispatch_path((m, H), q4_up)),
+        "quant_int4_4096x2560": (quant, q4_down, 4096, lambda m: dispatch_path((m, 4096), q4_down)),
+        "quant_int8_2560x1280": (quant, q8, H, lambda m: dispatch_path((m, H), q8)),
+        "linear_bf16_router_512": (lambda p, x: linear(x, p), router, H, lambda m: "reduce" if m <= 8 else "dot"),
+        "linear_bf16_small_48": (lambda p, x: linear(x, p), small, H, lambda m: "reduce" if m <= 8 else "dot"),
+        "linear_bf16_4096": (lambda p, x: linear(x, p), dense, H, lambda m: "dot"),
+        "dense_matmul_4096": (lambda p, x: dense_matmul(x, p, interpret=resolve_impl(None) != "pallas"), dense, H,
                               lambda m: "pallas"),
-        "rms_norm": (lambda x: rms_norm(x, norm_w, 1e-6), H, lambda m: "xla"),
-        "log_softmax_f32": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), H, lambda m: "xla"),
+        "rms_norm": (lambda p, x: rms_norm(x, p, 1e-6), norm_w, H, lambda m: "xla"),
+        "log_softmax_f32": (lambda p, x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), None, H,
+                            lambda m: "xla"),
     }
     if resolve_impl(None) == "pallas":  # the GDN kernels have no CPU lowering (interpreted they take minutes here)
-        table["gdn_kernels_store_t128"] = (gdn_rows(jax.random.fold_in(key, 7)), H, lambda m: "gdn kernels")
+        gdn, inputs = gdn_rows(jax.random.fold_in(key, 7))
+        table["gdn_kernels_store_t128"] = (gdn, inputs, H, lambda m: "gdn kernels")
     return table
 
 
@@ -85,7 +92,8 @@ GDN_ROWS, GDN_T = 32, 128  # the GDN op's rows (sequences) and tokens per row: t
 def gdn_rows(key):
     """The delta rule as the engine runs it on the GPU (`gdn.delta_rule_kernels` with a checkpoint column: the
     store path) over rows of GDN_T tokens at the real head sizes; row i's inputs are the same whatever M (x's
-    values are not used, only its row count and `start`). Rows past GDN_ROWS are not tried."""
+    values are not used, only its row count and `start`). Rows past GDN_ROWS are not tried. -> (the op, its
+    inputs: q, k, v, g, beta)."""
     hk, hv, d = 16, 48, 128
     ks = jax.random.split(key, 5)
     q = jax.random.normal(ks[0], (GDN_ROWS, GDN_T, hk, d), jnp.float32).astype(jnp.bfloat16)
@@ -94,16 +102,16 @@ def gdn_rows(key):
     g = -jax.random.uniform(ks[3], (GDN_ROWS, GDN_T, hv), jnp.float32, 0.01, 0.5)
     beta = jax.random.uniform(ks[4], (GDN_ROWS, GDN_T, hv), jnp.float32, 0.1, 0.9)
 
-    def gdn(x, start=0):
+    def gdn(p, x, start=0):
         m = x.shape[0]
         rows = lambda a: a[start:start + m]  # noqa: E731
         state = jnp.zeros((m, hv, d, d), jnp.float32)
         base = jnp.full((m,), GDN_T - 1, jnp.int32)
-        out, _ = delta_rule_kernels(rows(q), rows(k), rows(v), rows(g), rows(beta), state, base, 1,
+        out, _ = delta_rule_kernels(*(rows(a) for a in p), state, base, 1,
                                     impl="pallas" if resolve_impl(None) == "pallas" else "interpret")
         return out.reshape(m, -1)
     gdn.max_rows = GDN_ROWS
-    return gdn
+    return gdn, (q, k, v, g, beta)
 
 
 def _bits_equal(a, b) -> bool:
@@ -113,12 +121,14 @@ def _bits_equal(a, b) -> bool:
 INVARIANT = None  # --invariant: trace every op as a batch-invariant engine step does (fixed_order)
 
 
-def compiled(fn, x, excess: bool, start: int = 0):
-    """fn jitted for x's shape; `start` (the batch index of x's first row) reaches only the ops that take it."""
+def run(fn, weights, x, excess: bool, start: int = 0) -> np.ndarray:
+    """fn(weights, x) jitted for x's shape and run; `start` (the batch index of x's first row) reaches only the ops
+    that take it."""
     if start and "start" in inspect.signature(fn).parameters:
         fn = functools.partial(fn, start=start)
     with fixed_order.batch_invariant(bool(INVARIANT)):
-        return jax.jit(fn).lower(x).compile(compiler_options={"xla_allow_excess_precision": excess})
+        call = jax.jit(fn).lower(weights, x).compile(compiler_options={"xla_allow_excess_precision": excess})
+    return np.asarray(call(weights, x))
 
 
 def main():
@@ -144,16 +154,15 @@ def main():
             ap.error(f"unknown ops {sorted(unknown)}; known: {sorted(table)}")
         table = {name: table[name] for name in args.only.split(",")}
     rows = []
-    for name, (fn, k, path_of) in table.items():
+    for name, (fn, weights, k, path_of) in table.items():
         x_all = jax.random.normal(jax.random.fold_in(key, 99), (max(ms), k), jnp.float32).astype(jnp.bfloat16)
         for excess in (True, False):
-            solo = [np.asarray(compiled(fn, x_all[i:i + 1], excess, start=i)(x_all[i:i + 1]))[0]
-                    for i in range(args.rows_checked)]
-            pair = np.asarray(compiled(fn, x_all[:2], excess)(x_all[:2]))
+            solo = [run(fn, weights, x_all[i:i + 1], excess, start=i)[0] for i in range(args.rows_checked)]
+            pair = run(fn, weights, x_all[:2], excess)
             for m in ms[1:]:
                 if m > getattr(fn, "max_rows", m):
                     continue
-                y = np.asarray(compiled(fn, x_all[:m], excess)(x_all[:m]))
+                y = run(fn, weights, x_all[:m], excess)
                 n = min(m, args.rows_checked)
                 diffs = [np.max(np.abs(y[i].astype(np.float32) - solo[i].astype(np.float32))) for i in range(n)]
                 equal = all(_bits_equal(y[i], solo[i]) for i in range(n))
