@@ -32,6 +32,37 @@ def init_mtp_cache(cfg: ModelConfig, batch: int, max_len: int, dtype):
     return kv, kv, jnp.zeros((batch, max_len, cfg.indexer_head_dim or 1), dtype)
 
 
+def mtp_input(params: dict, cfg: ModelConfig, hyper, next_tokens, image_embeds=None, image_mask=None):
+    """The layer's input X0 [B, T, S*H] from hyper [B, T, S*H] and the embeddings of next_tokens [B, T] (image_embeds
+    [B, T, H] instead where image_mask [B, T]: pads)."""
+    mp = params["mtp"]
+    s, h = cfg.hc_count, cfg.hidden_size
+    bsz, t, _ = hyper.shape
+    h_normed = rms_norm(hyper, mp["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # ONE norm over all S*H features
+    e_normed = rms_norm(embed_inputs(params, next_tokens, image_embeds, image_mask).astype(hyper.dtype),
+                        mp["pre_fc_norm_embedding"], cfg.rms_norm_eps)
+    x = linear(h_normed.reshape(bsz, t, s, h), mp["fc_hidden"]) + linear(e_normed, mp["fc_embedding"])[:, :, None]
+    return x.reshape(bsz, t, s * h)
+
+
+def attention_input(params: dict, cfg: ModelConfig, x):
+    """What the layer's attention reads from X0: u [B, T, H] (all a cache fold needs: mtp_paged.py)."""
+    return hyper_read(params["mtp"]["layers"][0]["attn_hyper_connection"], cfg, x)[0]
+
+
+def mtp_layer(params: dict, cfg: ModelConfig, x, attention):
+    """The decoder layer on X0 with `attention(layer params, u) -> (y, cache)` (dense `qsa_forward` here, the paged
+    draft attention in mtp_paged.py) -> (logits [B, T, V] fp32, layer output [B, T, S*H], cache)."""
+    mp = params["mtp"]
+    lp = mp["layers"][0]
+    u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
+    y, cache = attention(lp["self_attn"], u)
+    x = hyper_write(x, y, gains)
+    u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
+    x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
+    return final_logits(params, cfg, x, mixer=mp["hyper_connection_mixer"]), x, cache
+
+
 def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_valid, cache,
                 mrope: MRope | None = None, image_embeds=None, image_mask=None):
     """hyper [B, T, S*H] at positions start..; next_tokens [B, T] = the token after each position.
@@ -40,25 +71,11 @@ def mtp_forward(params: dict, cfg: ModelConfig, hyper, next_tokens, start, n_val
     image_embeds [B, T, H] replace the embeddings of next tokens where image_mask [B, T] (pads).
     Returns (draft logits [B, T, V] fp32, layer output [B, T, S*H] for chaining, new cache).
     """
-    mp = params["mtp"]
-    s, h = cfg.hc_count, cfg.hidden_size
-    bsz, t, _ = hyper.shape
+    t = hyper.shape[1]
     positions = start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
-
-    h_normed = rms_norm(hyper, mp["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # ONE norm over all S*H features
-    e_normed = rms_norm(embed_inputs(params, next_tokens, image_embeds, image_mask).astype(hyper.dtype),
-                        mp["pre_fc_norm_embedding"], cfg.rms_norm_eps)
-    x = linear(h_normed.reshape(bsz, t, s, h), mp["fc_hidden"]) + linear(e_normed, mp["fc_embedding"])[:, :, None]
-    x = x.reshape(bsz, t, s * h)
-
-    lp = mp["layers"][0]
-    u, gains = hyper_read(lp["attn_hyper_connection"], cfg, x)
-    y, cache = qsa_forward(lp["self_attn"], cfg, u, positions, valid, cache, mrope)
-    x = hyper_write(x, y, gains)
-    u, gains = hyper_read(lp["mlp_hyper_connection"], cfg, x)
-    x = hyper_write(x, moe_forward(lp["mlp"], cfg, u), gains)
-    return final_logits(params, cfg, x, mixer=mp["hyper_connection_mixer"]), x, cache
+    x = mtp_input(params, cfg, hyper, next_tokens, image_embeds, image_mask)
+    return mtp_layer(params, cfg, x, lambda p, u: qsa_forward(p, cfg, u, positions, valid, cache, mrope))
 
 
-__all__ = ["mtp_forward", "init_mtp_cache"]
+__all__ = ["mtp_forward", "mtp_input", "mtp_layer", "attention_input", "init_mtp_cache"]

@@ -68,16 +68,18 @@ def _write(pool, kv: PagedKV, positions, values):
     return pool.at[page, row, kv.layer].set(values.astype(pool.dtype), mode="drop")
 
 
-def _write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=None):
-    """The block-key pool with the keys of the blocks this step's tokens complete (a token at 4j + 3 completes
-    block j), each from its block's raw keys in the pages (this step's just written). A draft token that is
-    rejected later is rewritten by a later step, its block key with it, before any query counts that block."""
+def _write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=None, shift: int = 0):
+    """The block-key pool with the keys of the blocks this step's tokens complete (a token at cache index 4j + 3
+    completes block j), each from its block's raw keys in the pages (this step's just written). A draft token that
+    is rejected later is rewritten by a later step, its block key with it, before any query counts that block.
+    `shift`: the pages hold cache index x at page position x + shift (the MTP layer's 1, mtp_paged.py); a block's
+    key goes in the page row holding its completing token, so it lives in that token's page."""
     ratio = cfg.indexer_compress_ratio
     b, t = positions.shape
     block = positions // ratio
-    page, row = _page_rows(kv, (block[..., None] * ratio + jnp.arange(ratio)).reshape(b, t * ratio))
+    page, row = _page_rows(kv, shift + (block[..., None] * ratio + jnp.arange(ratio)).reshape(b, t * ratio))
     keys = block_keys(p, cfg, kv.index[page, row, kv.layer].reshape(b, t, ratio, -1), block, mrope)
-    pid, off = token_page_index(kv.page_table, block * ratio, kv.index.shape[1])
+    pid, off = token_page_index(kv.page_table, positions + shift, kv.index.shape[1])
     completes = kv.write & ((positions + 1) % ratio == 0) & (pid >= 0)
     pid = jnp.where(completes, pid, kv.block_keys.shape[0])  # out of range: dropped
     return kv.block_keys.at[pid, off // ratio, kv.layer].set(keys.astype(kv.block_keys.dtype), mode="drop")
@@ -94,33 +96,39 @@ def score_tile_blocks(batch: int, tokens: int, index_heads: int, n_blocks: int, 
 def select_blocks(cfg: ModelConfig, q_index, kv: PagedKV, positions):
     """Top `block_topk` complete blocks per query -> (block numbers [B, T, K], chosen [B, T, K] bool), scored
     from the block-key pages (the keys of every block complete at a query were written by then)."""
-    b, t = positions.shape
+    vals, idx = top_blocks(cfg, q_index, kv, (positions + 1) // cfg.indexer_compress_ratio)
+    return idx, jnp.isfinite(vals)
+
+
+def top_blocks(cfg: ModelConfig, q_index, kv: PagedKV, n_complete, first: int = 0):
+    """The `block_topk` best of blocks 0 .. n_complete - 1 ([B, T] per query) -> (scores [B, T, K] in descending
+    order, -inf past the candidates; block numbers [B, T, K]). Block j's key is in page row j + `first` of the
+    rows' block-key pages (the MTP layer's 1: mtp_paged.py)."""
+    b, t = n_complete.shape
     ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
-    n_blocks = kv.page_table.shape[1] * kv.block_keys.shape[1]
+    n_blocks = kv.page_table.shape[1] * kv.block_keys.shape[1] - first
     tile = score_tile_blocks(b, t, cfg.indexer_n_heads, n_blocks, kv.score_elements)
-    n_complete = (positions + 1) // ratio
 
     if b * t * n_blocks <= kv.score_elements:
         # a decode step: one pass over the whole width and ONE top-k (lax.top_k prefers the lower index among
         # equal values). At least `top` entries: the extra ones stay -inf, are never chosen and name blocks past
         # the page table (the null page).
         table = jnp.where(kv.page_table >= 0, kv.page_table, kv.block_keys.shape[0] - 1)
-        keys = kv.block_keys[table, :, kv.layer].reshape(b, n_blocks, -1)
+        keys = kv.block_keys[table, :, kv.layer].reshape(b, n_blocks + first, -1)[:, first:]
         scores = qsa_sparse.indexer_scores(q_index, keys, n_complete, 0)
         if n_blocks < top:
             scores = jnp.pad(scores, ((0, 0), (0, 0), (0, top - n_blocks)), constant_values=-jnp.inf)
-        vals, idx = jax.lax.top_k(scores, top)
-        return idx, jnp.isfinite(vals)
+        return jax.lax.top_k(scores, top)
 
-    def tile_scores(first):  # [B, T, tile] scores of blocks first .. first + tile - 1
-        blocks = first + jnp.arange(tile)
-        page, row = _page_rows(kv, jnp.broadcast_to(blocks * ratio, (b, tile)))
+    def tile_scores(start):  # [B, T, tile] scores of blocks start .. start + tile - 1
+        blocks = start + jnp.arange(tile)
+        page, row = _page_rows(kv, jnp.broadcast_to((blocks + first) * ratio, (b, tile)))
         keys = kv.block_keys[page, row // ratio, kv.layer]
-        return qsa_sparse.indexer_scores(q_index, keys, n_complete, first), blocks
+        return qsa_sparse.indexer_scores(q_index, keys, n_complete, start), blocks
 
-    def merge(carry, first):
+    def merge(carry, start):
         vals, idx = carry
-        scores, blocks = tile_scores(first)
+        scores, blocks = tile_scores(start)
         vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), top)  # running entries first: ties
         idx = jnp.take_along_axis(jnp.concatenate([idx, jnp.broadcast_to(blocks, (b, t, tile))], -1), pick, -1)
         return vals, idx
@@ -129,8 +137,7 @@ def select_blocks(cfg: ModelConfig, q_index, kv: PagedKV, positions):
     # context, not the page-table width, so one padded width costs little at short contexts)
     n_tiles = jnp.minimum(-(-jnp.max(n_complete) // tile), -(-n_blocks // tile))
     init = (jnp.full((b, t, top), -jnp.inf, jnp.float32), jnp.full((b, t, top), n_blocks, jnp.int32))
-    vals, idx = jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
-    return idx, jnp.isfinite(vals)
+    return jax.lax.fori_loop(0, n_tiles, lambda i, carry: merge(carry, i * tile), init)
 
 
 def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedKV, mrope=None, *,
@@ -174,4 +181,4 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     return linear(out, p["o_proj"]), kv
 
 
-__all__ = ["PagedKV", "qsa_paged_forward", "select_blocks", "score_tile_blocks", "SCORE_TILE_ELEMENTS"]
+__all__ = ["PagedKV", "qsa_paged_forward", "select_blocks", "top_blocks", "score_tile_blocks", "SCORE_TILE_ELEMENTS"]

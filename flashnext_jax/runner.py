@@ -15,7 +15,10 @@ the dense per-row K/V layout of `model.forward` (length = the page-table width) 
 
 MTP bookkeeping (one position behind the main model): the MTP cache entry of pair (h_{q-1}, e_q) is computed at
 RoPE position q-1 (exactly as `Model.mtp_logits`) but stored at page position q, so every write stays inside the
-row's own range [start, start + n); the dense MTP cache is the paged one shifted by one position.
+row's own range [start, start + n); the dense MTP cache is the paged one shifted by one position. The MTP layer
+reads its pages in place as the main QSA layers do (mtp_paged.py: the fold writes the step's entries and block keys,
+the drafts keep their own entries in a small side buffer); with paged_mtp=False (the oracle) it runs on a dense
+per-row copy of the whole width, repeated for each tail column.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .gdn import CHUNK as GDN_CHUNK, StoreRecState, uses_kernels
 from .mrope import SpanRope
 from .request_images import encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
+from . import mtp_paged
 from .mtp import mtp_forward
 from .ple import device_gather_rows, device_ngram_ids, gather_rows
 from . import qsa_offload
@@ -38,6 +42,7 @@ from .qsa_paged import SCORE_TILE_ELEMENTS, PagedKV
 from .state_store import Leaf, StoreSpec, live_rows, read_pages, read_slots, write_pages, write_slots
 
 _PAGES = {"kv_k": "qsa_k", "kv_v": "qsa_v", "kv_index": "qsa_index"}  # State field -> store page leaf
+_MTP_PAGES = ("mtp_k", "mtp_v", "mtp_index", "mtp_block_keys")  # the MTP layer's, in PagedKV's order
 
 
 def table_to_device(table, memory_fraction: float = 0.9, slice_bytes: int = 1 << 30) -> jax.Array:
@@ -72,7 +77,8 @@ class RealRunner:
     """ModelRunner for Qwen3.8-Flash-Next (`api.Model`). k = MTP draft tokens per step (0 = no MTP work at all)."""
 
     def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None,
-                 paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS, max_images_per_prompt: int = 8):
+                 paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS, max_images_per_prompt: int = 8,
+                 paged_mtp: bool = True):
         cfg = model.cfg
         if num_speculative_tokens and not model.has_mtp:
             raise ValueError("speculative decoding needs MTP tensors; this checkpoint has none")
@@ -93,12 +99,14 @@ class RealRunner:
         # QSA layers read the pages in place (qsa_paged.py) unless paged_qsa=False (the dense per-row oracle)
         self.paged_qsa = bool(paged_qsa and cfg.qsa_enabled and self.n_qsa)
         self.qsa_score_elements = int(qsa_score_elements)
+        # the MTP head's QSA layer from its pages too (mtp_paged.py) unless paged_mtp=False (its dense oracle)
+        self.paged_mtp = self.paged_qsa and bool(paged_mtp)
         # the engine may pad every step's page table to max_model_len's pages (one compiled width) when little
         # here costs more with a wider table: a paged prefill chunk loops over the row's own blocks only, a decode
-        # step scores the whole width's cached block keys in one pass (H200, 12 layers at 262K: 1.2 ms, less than
-        # a loop over a 4K row's blocks, bench/results/select_decode.json), while the dense oracle and the MTP
-        # layer's attention (still a dense per-row view) would copy the whole width
-        self.one_page_width = self.paged_qsa and self.k == 0
+        # step (the MTP drafts' too) scores the whole width's cached block keys in one pass (H200, 12 layers at
+        # 262K: 1.2 ms, less than a loop over a 4K row's blocks, bench/results/select_decode.json), while the dense
+        # oracles copy a per-row view of the whole width
+        self.one_page_width = self.paged_qsa and (self.paged_mtp or self.k == 0)
         # GDN computes whole 64-token chunks of a prompt in one piece only inside one step (gdn.delta_rule_absolute):
         # a batch-invariant engine cuts prompts on this grid (SchedulerConfig.prefill_align)
         self.prefill_align = GDN_CHUNK if self.n_gdn else 1
@@ -145,7 +153,10 @@ class RealRunner:
             slot["mrope_spans"] = Leaf((self.max_images, 4), jnp.int32, 0)
         if self.k and layers.stop == c.num_hidden_layers:
             slot["mtp_h"] = Leaf((sh,), dt, 0)
-            page.update(mtp_k=Leaf((kv, hd), dt), mtp_v=Leaf((kv, hd), dt), mtp_index=Leaf((di,), dt))
+            # one QSA layer's pages (the layer axis of the qsa_* leaves, of size 1)
+            page.update(mtp_k=Leaf((1, kv, hd), dt), mtp_v=Leaf((1, kv, hd), dt), mtp_index=Leaf((1, di), dt))
+            if self.paged_mtp:
+                page["mtp_block_keys"] = Leaf((1, di), dt, tokens_per_row=c.indexer_compress_ratio)
         return StoreSpec(slot=slot, page=page)
 
     # ---- pipeline stages (pipeline.py)
@@ -357,16 +368,16 @@ class RealRunner:
         """MTP: fold this step's pairs (h_{q-1}, e_q) into the MTP cache (page position q, RoPE position q - 1) and
         draft k tokens after each tail column without writing the cache. In an image step (`mrope`: the rows'
         spans) the RoPE positions are those indices' 3-D positions, as the main model's, and a pad token q enters
-        its pair as the tower's row (mtp.py); drafts are generated tokens, never an image's."""
-        cfg, k = self.cfg, self.k
-        B, T = batch.tokens.shape
-        K1 = tail.shape[1]
+        its pair as the tower's row (mtp.py); drafts are generated tokens, never an image's. Paged (mtp_paged.py)
+        or, with paged_mtp=False, the dense oracle (`_mtp_dense`)."""
+        cfg = self.cfg
+        T = batch.tokens.shape[1]
         start, n_valid, tokens = batch.start, batch.n_valid, batch.tokens
         off = (start == 0).astype(jnp.int32)  # position 0 has no predecessor: its pair does not exist
         j = jnp.arange(T)[None, :]
         q = start[:, None] + off[:, None] + j  # input token position of pair j
         n_pairs = jnp.maximum(n_valid - off, 0)
-        pvalid = j < n_pairs[:, None]
+        wvalid = (j < n_pairs[:, None]) & live[:, None]
         prev = jnp.concatenate([mtp_h[:, None], hyper], axis=1)  # prev[:, i] = h at position start - 1 + i
         h_prev = _take_tokens(prev, jnp.minimum(q - start[:, None], T))
         at = jnp.minimum(q - start[:, None], T - 1)  # row offset of each pair's token q
@@ -375,22 +386,35 @@ class RealRunner:
         if mrope is not None:
             image = dict(image_embeds=_take_tokens(batch.host["image_embeds"], at),
                          image_mask=_take_tokens(batch.host["image_mask"], at))
-        ratio = cfg.indexer_compress_ratio or 1
+        tail_index = start[:, None] + tail  # [B, K1] cache index of each column's tail token
+        if not self.paged_mtp:
+            return self._mtp_dense(params, store, batch.page_table, h_prev, e_tok, q, n_pairs, wvalid, h_tail,
+                                   logits, tail_index, L, mrope, image)
+        kv = PagedKV(*(store.page[name] for name in _MTP_PAGES), batch.page_table, wvalid, 0,
+                     self.qsa_score_elements)
+        kv = mtp_paged.fold(params, cfg, kv, h_prev, e_tok, q, mrope, **image)
+        store = dataclasses.replace(store, page={**store.page, **dict(zip(_MTP_PAGES, kv[:4]))})
+        return store, mtp_paged.drafts(params, cfg, kv, h_tail, logits, tail_index, self.k, mrope)
 
+    def _mtp_dense(self, params, store, page_table, h_prev, e_tok, q, n_pairs, wvalid, h_tail, logits, tail_index,
+                   L, mrope, image):
+        """The oracle: the MTP layer (`mtp.mtp_forward`) on a dense per-row copy of the pages, dense[i] =
+        paged[i + 1], of the whole page-table width L."""
+        cfg, k = self.cfg, self.k
+        B, K1 = tail_index.shape
+        ratio = cfg.indexer_compress_ratio or 1
         length = -(-(L + k) // ratio) * ratio  # room for the chained draft keys past the last page position
 
-        def dense(name):  # dense[i] = paged[i + 1]
-            a = read_pages(store, name, batch.page_table)[:, 1:]
+        def dense(name):  # dense[i] = paged[i + 1] (the leaves' one layer dropped)
+            a = read_pages(store, name, page_table)[:, 1:, 0]
             pad = length - a.shape[1]
             return jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
 
-        cache = tuple(dense(n) for n in ("mtp_k", "mtp_v", "mtp_index"))
-        ref_start = start + off - 1
-        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, ref_start, n_pairs, cache, mrope, **image)
+        cache = tuple(dense(n) for n in _MTP_PAGES[:3])
+        _, _, cache = mtp_forward(params, cfg, h_prev, e_tok, q[:, 0] - 1, n_pairs, cache, mrope, **image)
         rpos = jnp.clip(q - 1, 0, cache[0].shape[1] - 1)
-        wvalid = pvalid & live[:, None]
-        for name, a in zip(("mtp_k", "mtp_v", "mtp_index"), cache):
-            store = write_pages(store, name, batch.page_table, q, wvalid, _take_tokens(a, rpos))
+        for name, a in zip(_MTP_PAGES, cache):
+            store = write_pages(store, name, page_table, q, wvalid, _take_tokens(a, rpos)[:, :, None])
 
         # drafts: column c = MTP(h at tail token, e(argmax)) at the tail token's position, chained k times. The K1
         # columns are alternative futures (one per accepted count), so each needs the cache without the others'
@@ -398,7 +422,7 @@ class RealRunner:
         # call per draft instead of K1: on the CPU each call's ~100 small ops cost more than its arithmetic)
         rows = lambda a: jnp.repeat(a, K1, axis=0)  # noqa: E731  [B, ...] -> [B * K1, ...], row b * K1 + c
         h = h_tail.reshape(B * K1, 1, h_tail.shape[-1])
-        pos = (start[:, None] + tail).reshape(B * K1)
+        pos = tail_index.reshape(B * K1)
         y = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(B * K1)
         cc = tuple(rows(a) for a in cache)
         spans = None if mrope is None else dataclasses.replace(mrope, spans=rows(mrope.spans))

@@ -50,19 +50,25 @@ def sparse_attention(q, k_pool, v_pool, layer: int, blk_page, blk_off, blk_len, 
         rows = off[..., None] + jnp.arange(ratio)  # [B, tile, J, ratio]
         take = lambda pool: pool[page[..., None], jnp.minimum(rows, pool.shape[1] - 1), layer]  # [B,tile,J,r,kv,hd]
         on = (jnp.arange(ratio) < n[..., None]).reshape(b, tile, -1)  # [B, tile, S]
-        k = take(k_pool).reshape(b, tile, -1, *k_pool.shape[3:])
-        v = take(v_pool).reshape(b, tile, -1, *v_pool.shape[3:])
-        k = jnp.where(on[..., None, None], k, 0).astype(qt.dtype)  # poisoned rows never reach an output
-        v = jnp.where(on[..., None, None], v, 0).astype(qt.dtype)
-        precision = "highest" if qt.dtype == jnp.float32 else None
-        s = jnp.einsum("btkgd,btskd->btkgs", qt, k, precision=precision, preferred_element_type=jnp.float32)
-        s = jnp.where(on[:, :, None, None], s * (qt.shape[-1] ** -0.5), NEG_INF)
-        p = jnp.where(on[:, :, None, None], fixed_order.softmax(s, axis=-1), 0.0).astype(qt.dtype)
-        return jnp.einsum("btkgs,btskd->btkgd", p, v, precision=precision,
-                          preferred_element_type=jnp.float32).astype(qt.dtype)
+        return gathered_attention(qt, take(k_pool).reshape(b, tile, -1, *k_pool.shape[3:]),
+                                  take(v_pool).reshape(b, tile, -1, *v_pool.shape[3:]), on)
 
     out = jax.lax.map(one_tile, tuple(split(a) for a in (q, blk_page, blk_off, blk_len)))
     return jnp.moveaxis(out, 0, 1).reshape(b, n_tiles * tile, *q.shape[2:])[:, :t]
 
 
-__all__ = ["indexer_scores", "sparse_attention"]
+def gathered_attention(q, k, v, on):
+    """Softmax attention of each query over its own gathered keys: q [B, T, kv, G, hd] (scaled by hd^-0.5 here),
+    k, v [B, T, S, kv, hd], on [B, T, S] which of them it attends. Keys and values off the list are zeroed first,
+    so poisoned or stale entries never reach an output; a query with no key gets 0. Returns q's shape and dtype."""
+    k = jnp.where(on[..., None, None], k, 0).astype(q.dtype)
+    v = jnp.where(on[..., None, None], v, 0).astype(q.dtype)
+    precision = "highest" if q.dtype == jnp.float32 else None
+    s = jnp.einsum("btkgd,btskd->btkgs", q, k, precision=precision, preferred_element_type=jnp.float32)
+    s = jnp.where(on[:, :, None, None], s * (q.shape[-1] ** -0.5), NEG_INF)
+    p = jnp.where(on[:, :, None, None], fixed_order.softmax(s, axis=-1), 0.0).astype(q.dtype)
+    return jnp.einsum("btkgs,btskd->btkgd", p, v, precision=precision,
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+__all__ = ["indexer_scores", "sparse_attention", "gathered_attention"]
