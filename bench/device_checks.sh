@@ -7,6 +7,8 @@
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 #   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
 #   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
+#   bash bench/device_checks.sh longctx      # issue 14's report on the H200 (512 experts; needs_h200): TTFT/decode at
+#                                            # 4K-262K in the default (batch-invariant) mode, first vs second 32K
 #   bash bench/device_checks.sh probe48      # issue 16: the async probe at 48 layers (device-bound, as the real size),
 #                                            # then again with XLA's command buffers off (does a graph update block?)
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
@@ -66,9 +68,15 @@ case "${1:-}" in
     XLA_FLAGS=--xla_gpu_require_exclusive_lock=true timeout 280 python3 bench/async_probe.py --layers 48 --steps 30 \
         --engines async --batches 1 --out "$OUT/async_probe_48_async_lock.json" > "$OUT/async_probe_48_async_lock.log" 2>&1
     echo "async_probe 48 async, exclusive lock rc=$?"; grep -v "compiling" "$OUT/async_probe_48_async_lock.log" | tail -n 12 ;;
+  longctx)
+    # as bench/h200_long_context_checks.sh report (0.7: room for the run-time copy of a pool leaf, stop 26)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 575 python3 bench/long_context.py --experts 512 --decode-steps 16 \
+        --gpu-memory-utilization 0.7 ${LONGCTX_ARGS:-} --out "$OUT/long_context.json" > "$OUT/long_context.log" 2>&1
+    echo "long_context rc=$?"; grep -v "compiling engine steps:" "$OUT/long_context.log" |
+        grep -i "pool\|compiled an\|prompt_tokens\|error\|invariant" | cut -c1-300; tail -n 8 "$OUT/long_context.log" ;;
   prefill)
     timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
         > "$OUT/invariant_prefill.log" 2>&1
     echo "invariant_prefill rc=$?"; grep -v "compiling engine\|INFO" "$OUT/invariant_prefill.log" | tail -n 8 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill" >&2; exit 2 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx" >&2; exit 2 ;;
 esac
