@@ -30,6 +30,7 @@ from bench.engine_step import RandomPleRunner  # noqa: E402
 from bench.results_io import save_result  # noqa: E402
 from flashnext_jax import api  # noqa: E402
 from flashnext_jax.config import from_hf_config  # noqa: E402
+from flashnext_jax.engine import Engine  # noqa: E402
 from flashnext_jax.llm import LLM  # noqa: E402
 from flashnext_jax.sampling import SamplingParams  # noqa: E402
 
@@ -99,7 +100,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="real_size.py's 2-layer demo-sized model (a CPU check)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--engines", default="plain,async", help="which engines to probe (comma-separated)")
+    ap.add_argument("--engines", default="plain,async,async_one_exe",
+                    help="which engines to probe (comma-separated; async_one_exe: async without twin executables)")
     ap.add_argument("--batches", default="1,2", help="decode batch sizes (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -114,13 +116,15 @@ def main(argv=None):
     runner = RandomPleRunner(model, 0)
     rows = []
     engines = args.engines.split(",")
-    for mode in [m == "async" for m in ("plain", "async") if m in engines]:
+    for name in [m for m in ("plain", "async", "async_one_exe") if m in engines]:
+        # async_one_exe: the async engine without twin step executables (step_cache.py "Twins"), as before stop 47
+        Engine.TWIN_STEPS_ON = () if name == "async_one_exe" else ("gpu",)
         lm = LLM(runner, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, page_size=64, num_pages=48,
                  prefill_buckets=(512,), page_table_width="max", compile_ahead=False, batch_invariant=False,
-                 async_scheduling=mode)
+                 async_scheduling=name != "plain")
         for batch in [int(b) for b in args.batches.split(",")]:
-            row = {"engine": "async" if mode else "plain", "batch": batch, **run(lm, batch, args.steps,
-                                                                                  cfg.vocab_size)}
+            row = {"engine": name, "batch": batch, "twin_steps": lm.engine._twin_steps,
+                   **run(lm, batch, args.steps, cfg.vocab_size), "twins_made": lm.engine._steps.counters["twins"]}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "hot_functions"}), flush=True)
             for h in row["hot_functions"][:6]:
@@ -130,7 +134,7 @@ def main(argv=None):
             "commit_ms"]
     print("engine  B " + " ".join(f"{c[:-3]:>18}" for c in cols))
     for r in rows:
-        print(f"{r['engine']:<7} {r['batch']} " + " ".join(f"{r[c]:18.3f}" for c in cols))
+        print(f"{r['engine'][:7]:<7} {r['batch']} " + " ".join(f"{r[c]:18.3f}" for c in cols))
     save_result("async_probe.json", rows, args.out, layers=args.layers, tiny=args.tiny)
 
 

@@ -116,3 +116,41 @@ def test_compiled_samplers_are_bounded_too():
             eng.step()
         assert len(eng._samplers) <= 2 and _live_samplers() - before <= 2
     assert eng._samplers.counters["compiled"] == 4 and eng._samplers.counters["evicted"] == 2
+
+
+def test_twin_executables_alternate_and_go_with_their_key(monkeypatch):
+    """StepCache.call(alternate=True) (async engines on a GPU, step_cache.py "Twins"): calls alternate between the
+    program and its twin (a second live executable, loaded from the first's serialization), the donated store
+    threads through both, and dropping the key releases both executables."""
+
+    def run(params, store, batch, targets):
+        return store + batch.sum(), {"y": batch * 2.0 + store}
+
+    twin_calls = []
+    make_twin = StepCache._twin_of
+
+    def counted_twin(self, compiled, args):  # the real twin, its launches counted
+        twin = make_twin(self, compiled, args)
+        twin_calls.append(0)
+
+        def launch(*a):
+            twin_calls[-1] += 1
+            return twin(*a)
+        return launch
+
+    monkeypatch.setattr(StepCache, "_twin_of", counted_twin)
+    cache = StepCache(run, 1)
+    before = _live()
+    store = jax.numpy.zeros(())
+    ys = []
+    for i in range(5):
+        store, out = cache.call("a", (None, store, jax.numpy.full(3, float(i)), None), alternate=True)
+        ys.append(float(out["y"][0]))
+    assert _live() - before == 2 and twin_calls == [2]  # calls 1 and 3 of 0..4
+    # store after call i: 3 * (0 + .. + i); y_i = 2 i + store before call i
+    assert ys == [2.0 * i + 3.0 * sum(range(i)) for i in range(5)] and float(store) == 30.0
+    cache.make_twins = True  # compile() makes the twin with the program
+    cache.call("b", (None, jax.numpy.zeros(()), jax.numpy.ones(2), None))  # "a" dropped (limit 1): both released
+    del out
+    assert cache.keys() == ["b"] and len(twin_calls) == 2
+    assert _live() - before == 2

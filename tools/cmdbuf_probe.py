@@ -10,6 +10,8 @@ the commands). This probe times back-to-back, non-blocking launches of one progr
 * stable:    one executable, the same input arrays every call (nothing to update but the outputs)
 * alternate: two executables of the same program (two jitted functions), used in turn: each one's graph is idle
              when it is updated
+* twin:      `alternate` with the second executable made by serializing the first and loading it again
+             (jax.experimental.serialize_executable: no second compile), as an engine would
 * no_graph:  `same` with XLA's command buffers off (its own process: XLA_FLAGS is read once)
 
 If `same` blocks for about a program's device time and `alternate` does not, the engine should keep two
@@ -31,6 +33,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import serialize_executable
 
 
 def program(ops: int, width: int):
@@ -79,8 +82,10 @@ def main():
     store = jnp.zeros((1 << 22,), jnp.float32)
     one = jax.jit(f, donate_argnums=1)
     other = jax.jit(lambda x, s, w: f(x, s, w), donate_argnums=1)  # another function: its own executable
+    compiled = jax.jit(f, donate_argnums=1).lower(x0, store, w).compile()
+    twin = serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
     t0 = time.perf_counter()
-    for g in (one, other):
+    for g in (one, other, compiled, twin):
         _, store = g(x0, store, w)
         _, store = g(x0 + 1, store, w)  # a first update after the warm-up launch
     jax.block_until_ready(store)
@@ -92,7 +97,8 @@ def main():
     y, store = one(x0 + 2, store, w)
     jax.block_until_ready((y, store))
     device_ms = (time.perf_counter() - t0) * 1e3
-    cases = {"same": ([one], True), "stable": ([one], False), "alternate": ([one, other], True)}
+    cases = {"same": ([one], True), "stable": ([one], False), "alternate": ([one, other], True),
+             "twin": ([compiled, twin], True)}
     if a.only:
         cases = {a.only: cases["same"]}
     res = {}
