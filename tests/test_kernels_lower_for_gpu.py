@@ -73,8 +73,9 @@ def test_gdn_in_store_kernels_lower(invariant, t):
                                                      (True, "qsa_kv_offload")])
 def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, variant):
     """The whole engine step, as a GPU run compiles it: the real config cut to 4 layers (GDN, PLE and QSA layers)
-    and 32 experts with INT4-Mixed weights (and the BF16 MTP head for "mtp"), lowered for CUDA with the Pallas
-    kernels selected as on a GPU, at every startup shape (decode B = 1, 2 and a prefill chunk). The params are
+    and 32 experts with INT4-Mixed weights (and the BF16 MTP head for "mtp": k = 2 drafts, its QSA layer on its
+    pages, mtp_paged.py), lowered for CUDA with the Pallas kernels selected as on a GPU, at every startup shape
+    (decode B = 1, 2 and a prefill chunk). The params are
     types only (jax.eval_shape): no weight is drawn, so this costs seconds, and a kernel or a kernel choice that
     cannot lower fails here rather than in a device run's compile. (Lowering stops before XLA's own GPU passes:
     the host-offload copies of "qsa_kv_offload" are checked only as far as StableHLO.)"""
@@ -94,7 +95,8 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     assert len(set(cfg.layer_types)) == 2 and cfg.ple_layers  # GDN and QSA layers, and the PLE
     mtp = variant == "mtp"
     model = api.Model(cfg, decode_step.abstract_params(cfg, with_mtp=mtp), table=None, dtype=jnp.bfloat16)
-    extra = {"mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+    k = 2 if mtp else 0
+    extra = {"mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": k}),
              "qsa_kv_offload": dict(qsa_kv_offload=True)}.get(variant, {})
     # the offload's page table is wide enough that its decode steps fetch their chosen blocks (one host gather per
     # pool, qsa_offload.fetch) while its prefill chunks read their rows' pages: at 1,024 tokens (16 pages) a decode
@@ -103,13 +105,14 @@ def test_engine_step_lowers_at_the_real_config(monkeypatch, batch_invariant, var
     max_len = 4096 if offload else 1024
     assert not offload or qsa_offload.fetches_blocks(1, 1, cfg.block_topk + 1, cfg.indexer_compress_ratio,
                                                      max_len // 64, 64)
-    lm = LLM(RandomPleRunner(model, int(mtp)), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=max_len,
+    lm = LLM(RandomPleRunner(model, k), max_num_seqs=2, max_num_batched_tokens=256, max_model_len=max_len,
              page_size=64, block_size=64, num_pages=40, num_snapshots=2, enable_prefix_caching=False,
-             prefill_buckets=(256,), page_table_width="max", compile_ahead=False, batch_invariant=batch_invariant,
+             prefill_buckets=(256,), page_table_width="auto", compile_ahead=False, batch_invariant=batch_invariant,
              **extra)
     eng = lm.engine
+    assert eng.one_width and ("mtp_block_keys" in eng.ledger.store.page) == mtp  # the paged MTP layer: one width
     keys = eng.startup_shapes()
-    assert {k.tokens for k in keys} == {1 + int(mtp), 256}
+    assert {key.tokens for key in keys} == {4 if mtp else 1, 256}
     try:
         for key in keys:
             with fixed_order.batch_invariant(batch_invariant):
