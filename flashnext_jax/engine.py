@@ -468,8 +468,6 @@ class EngineConfig:
 
 
 class Engine:
-    TWIN_STEPS_ON = ("gpu",)  # backends whose async engines alternate twin step executables (step_cache.py)
-
     def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
                  draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
                  row_order: Callable[[int, list[str]], list[int]] | None = None,
@@ -532,12 +530,6 @@ class Engine:
                                self.ledger)
         self._steps, self._samplers, self._ahead = jitted_step(runner, cfg.batch_invariant, cfg.token_kinds)
         self._steps.set_limit(cfg.max_compiled_steps)
-        # async scheduling runs each model step and its twin executable in turn (step_cache.py, "Twins"): on a GPU a
-        # launch beside the previous step's still-held buffers would re-record the step's whole CUDA graph
-        self._twin_steps = (cfg.async_scheduling and jax.default_backend() in self.TWIN_STEPS_ON
-                            and isinstance(self._steps, StepCache))
-        if self._twin_steps:
-            self._steps.make_twins = True
         self._samplers.set_limit(cfg.max_compiled_samplers)
         # where a step's logits are (a pipeline's last stage): the samplers' inputs go there
         self._placement = getattr(runner, "output_sharding", None)
@@ -927,7 +919,7 @@ class Engine:
             log.info("compiling the engine step for %s (once per shape; about a minute at the real model size)",
                      key.describe())
             t0 = time.perf_counter()
-        store, out = self._steps.call(key, args, alternate=True) if self._twin_steps else self._steps.call(key, args)
+        store, out = self._steps.call(key, args)
         if new:
             self.counters["compiles"] += 1
             log.info("engine step for %s compiled and launched in %.1f s", key.describe(), time.perf_counter() - t0)

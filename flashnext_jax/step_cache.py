@@ -8,12 +8,6 @@ gets its own `jax.jit` of the step, compiled ahead of time (`lower(...).compile(
 `Compiled` object: dropping it drops the last reference to the executable (tests/test_step_cache.py checks the
 backend's live executables). A shape evicted and needed again compiles again, from JAX's persistent compilation
 cache when one is configured (seconds instead of a minute at the real size).
-
-Twins (async scheduling on a GPU): XLA runs a step as a CUDA graph and, when any buffer the graph recorded moved,
-re-records it before the launch; an async engine launches step n + 1 while step n still holds its buffers, so every
-launch found moved buffers (48 layers on the H100: 7.4 ms inside the launch against 1.1 ms,
-docs/real-size-decode.md). A second executable of the same program (the first one serialized and loaded again:
-no second compile, where the backend can serialize it) used in turn finds, every other step, the buffers of two steps ago, freed by then.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import time
 from typing import Any, Callable, Hashable
 
 import jax
-from jax.experimental import serialize_executable
 
 from pallas_kernels import fixed_order
 
@@ -60,8 +53,6 @@ class StepCache:
         self._log_level = log_level
         self.limit = limit
         self._lru: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
-        self._twins: dict[Hashable, list] = {}  # key -> [its twin executable, launches so far] (module docstring)
-        self.make_twins = False  # compile() also makes each program's twin (an async engine on a GPU asks for it)
         self._lock = threading.Lock()
         self.counters = collections.Counter()
 
@@ -83,42 +74,21 @@ class StepCache:
             hit = self._lru.get(key)
         if hit is not None:
             return hit
-        t0 = time.perf_counter()
-        compiled = self._compile(args)
-        log.log(self._log_level, "compiled %s in %.1f s: %s", self._name, time.perf_counter() - t0,
-                memory_summary(compiled))
-        twin = self._twin_of(compiled, args) if self.make_twins else None
-        with self._lock:
-            self._lru[key] = compiled
-            if twin is not None:
-                self._twins[key] = [twin, 0]
-            self.counters["compiled"] += 1
-            self._evict()
-        return compiled
-
-    def _compile(self, args: tuple) -> Any:
         def run(*a):  # a new function per shape: the jit below and its caches die with the cache entry
             return self._run(*a)
 
         run.__name__ = run.__qualname__ = self._name
         jitted = jax.jit(run, donate_argnums=self._donate, static_argnums=self._static)
-        with fixed_order.batch_invariant(self.batch_invariant):
-            return jitted.lower(*args).compile(fixed_order.compiler_options(self.batch_invariant))
-
-    def _twin_of(self, compiled, args: tuple) -> Any:
-        """A second executable of `compiled`'s program: serialized and loaded again (seconds), or compiled again
-        where the backend cannot serialize it (XLA:CPU refuses some sort comparators)."""
         t0 = time.perf_counter()
-        try:
-            twin = serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
-            how = "loaded from its serialization"
-        except Exception as e:  # noqa: BLE001 - any backend refusal: compile it again instead
-            log.debug("cannot serialize a compiled %s (%s): compiling its twin", self._name, e)
-            twin, how = self._compile(args), "compiled again"
-        log.log(self._log_level, "made the twin of a compiled %s in %.1f s (%s)", self._name,
-                time.perf_counter() - t0, how)
-        self.counters["twins"] += 1
-        return twin
+        with fixed_order.batch_invariant(self.batch_invariant):
+            compiled = jitted.lower(*args).compile(fixed_order.compiler_options(self.batch_invariant))
+        log.log(self._log_level, "compiled %s in %.1f s: %s", self._name, time.perf_counter() - t0,
+                memory_summary(compiled))
+        with self._lock:
+            self._lru[key] = compiled
+            self.counters["compiled"] += 1
+            self._evict()
+        return compiled
 
     def get(self, key: Hashable) -> Any | None:
         with self._lock:
@@ -135,25 +105,12 @@ class StepCache:
     def _evict(self):
         while len(self._lru) > max(self.limit, 1):
             key, _ = self._lru.popitem(last=False)
-            self._twins.pop(key, None)
             self.counters["evicted"] += 1
             log.info("dropped a compiled %s (the least recently used of %d kept): %s", self._name, self.limit,
                      str(key)[:200])
 
-    def call(self, key: Hashable, args: tuple, alternate: bool = False) -> Any:
+    def call(self, key: Hashable, args: tuple) -> Any:
         """Run the program of `key` (compiling it first if it is not cached). The compiled executable takes the
-        arguments but the static ones. alternate: every other call runs the program's twin (made now if the
-        compile did not make it: module docstring)."""
+        arguments but the static ones."""
         compiled = self.get(key) or self.compile(key, args)
-        if alternate:
-            with self._lock:
-                pair = self._twins.get(key)
-            if pair is None:
-                pair = [self._twin_of(compiled, args), 0]
-                with self._lock:
-                    if key in self._lru:
-                        pair = self._twins.setdefault(key, pair)
-            pair[1] += 1
-            if pair[1] % 2 == 0:
-                compiled = pair[0]
         return compiled(*(a for i, a in enumerate(args) if i not in self._static))

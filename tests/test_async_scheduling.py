@@ -73,12 +73,10 @@ def _run(runner, requests, **cfg):
 PROMPTS = [[11, 42, 7, 300, 5, 19, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [400, 401], [77] * 9]
 
 
-def test_async_equals_sync_for_every_kind_of_row(model, monkeypatch):
+def test_async_equals_sync_for_every_kind_of_row(model):
     """Greedy (with logprobs), device-sampled, host-sampled (a penalty) and logit-biased rows side by side. A step
     holding a row that needs the host before its next step (here the penalty's) commits at once, as without async
-    scheduling; once that request is done, the others chain. The async engine alternates each step with its twin
-    executable, as on a GPU (step_cache.py "Twins"; the other tests here run without twins, the CPU default)."""
-    monkeypatch.setattr(Engine, "TWIN_STEPS_ON", ("gpu", "cpu"))
+    scheduling; once that request is done, the others chain."""
     runner = RealRunner(model, 0)
     SP = fj.SamplingParams
     requests = [(PROMPTS[0], SP(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)),
@@ -94,7 +92,6 @@ def test_async_equals_sync_for_every_kind_of_row(model, monkeypatch):
     assert sync[0][0] == model.generate(PROMPTS[0], 12)  # and the engine equals the model run alone
     assert asyn[3].counters["chained_rows"] >= 3 * 6 and sync[3].counters["chained_rows"] == 0
     assert asyn[3].counters["steps"] == sync[3].counters["steps"]  # the host-sampled row did not slow down
-    assert asyn[3]._twin_steps and not sync[3]._twin_steps and asyn[3]._steps.counters["twins"] >= 2
 
 
 def test_a_request_ending_before_its_chained_row_is_reported_once_and_freed(model):
