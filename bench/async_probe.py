@@ -34,7 +34,7 @@ from flashnext_jax.engine import Engine  # noqa: E402
 from flashnext_jax.llm import LLM  # noqa: E402
 from flashnext_jax.sampling import SamplingParams  # noqa: E402
 
-PARTS = ("_build_batch", "_run_chain", "_launch_model_step", "_choose_tokens", "_commit")
+PARTS = ("_build_batch", "_run_chain", "_stage", "_launch_model_step", "_choose_tokens", "_commit")
 
 
 def timed_parts(eng) -> dict[str, list[float]]:
@@ -100,8 +100,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="real_size.py's 2-layer demo-sized model (a CPU check)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--engines", default="plain,async,async_one_exe",
-                    help="which engines to probe (comma-separated; async_one_exe: async without twin executables)")
+    ap.add_argument("--engines", default="plain,async,async_unstaged",
+                    help="which engines to probe (comma-separated; async_unstaged: async, its inputs not staged)")
     ap.add_argument("--batches", default="1,2", help="decode batch sizes (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -116,25 +116,24 @@ def main(argv=None):
     runner = RandomPleRunner(model, 0)
     rows = []
     engines = args.engines.split(",")
-    for name in [m for m in ("plain", "async", "async_one_exe") if m in engines]:
-        # async_one_exe: the async engine without twin step executables (step_cache.py "Twins"), as before stop 47
-        Engine.TWIN_STEPS_ON = () if name == "async_one_exe" else ("gpu",)
+    for name in [m for m in ("plain", "async", "async_unstaged") if m in engines]:
+        # async_unstaged: the async engine without its decode inputs at fixed addresses (engine.stage_inputs)
+        Engine.STAGE_DECODE_INPUTS = name != "async_unstaged"
         lm = LLM(runner, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, page_size=64, num_pages=48,
                  prefill_buckets=(512,), page_table_width="max", compile_ahead=False, batch_invariant=False,
                  async_scheduling=name != "plain")
         for batch in [int(b) for b in args.batches.split(",")]:
-            row = {"engine": name, "batch": batch, "twin_steps": lm.engine._twin_steps,
-                   **run(lm, batch, args.steps, cfg.vocab_size), "twins_made": lm.engine._steps.counters["twins"]}
+            row = {"engine": name, "batch": batch, **run(lm, batch, args.steps, cfg.vocab_size)}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "hot_functions"}), flush=True)
             for h in row["hot_functions"][:6]:
                 print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:7.3f} cum "
                       f"{h['calls_per_step']:5.1f}x  {h['function']}", flush=True)
-    cols = ["step_ms", "build_batch_ms", "run_chain_ms", "flush_ms", "launch_model_step_ms", "choose_tokens_ms",
+    cols = ["step_ms", "build_batch_ms", "run_chain_ms", "stage_ms", "flush_ms", "launch_model_step_ms", "choose_tokens_ms",
             "commit_ms"]
-    print("engine  B " + " ".join(f"{c[:-3]:>18}" for c in cols))
+    print("engine   B " + " ".join(f"{c[:-3]:>18}" for c in cols))
     for r in rows:
-        print(f"{r['engine'][:7]:<7} {r['batch']} " + " ".join(f"{r[c]:18.3f}" for c in cols))
+        print(f"{r['engine'][:8]:<8} {r['batch']} " + " ".join(f"{r[c]:18.3f}" for c in cols))
     save_result("async_probe.json", rows, args.out, layers=args.layers, tiny=args.tiny)
 
 

@@ -9,8 +9,9 @@
 #   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
 #   bash bench/device_checks.sh longctx      # issue 14's report on the H200 (512 experts; needs_h200): TTFT/decode at
 #                                            # 4K-262K in the default (batch-invariant) mode, first vs second 32K
-#   bash bench/device_checks.sh twins        # issue 16: tools/cmdbuf_probe.py, then the async engine (twin step
-#                                            # executables, step_cache.py) beside the plain one at 48 layers, B = 1
+#   bash bench/device_checks.sh staged       # issue 16: the async engine with its decode inputs at fixed addresses
+#                                            # (engine.stage_inputs) beside the plain one and without it, 48 layers, B = 1
+#   bash bench/device_checks.sh cmdbuf       # tools/cmdbuf_probe.py (what a moved input costs a CUDA-graph launch)
 #   bash bench/device_checks.sh probe48      # issue 16: the async probe at 48 layers (device-bound, as the real size),
 #                                            # then again with XLA's command buffers off (does a graph update block?)
 # The device machine lacks llguidance and tqdm: carry .whl/ (their py3.12 wheels, git-ignored) and first run
@@ -76,16 +77,16 @@ case "${1:-}" in
         --gpu-memory-utilization 0.7 ${LONGCTX_ARGS:-} --out "$OUT/long_context.json" > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; grep -v "compiling engine steps:" "$OUT/long_context.log" |
         grep -i "pool\|compiled an\|prompt_tokens\|error\|invariant" | cut -c1-300; tail -n 8 "$OUT/long_context.log" ;;
-  twins)
+  cmdbuf)
     timeout 150 python3 tools/cmdbuf_probe.py --ops 1000 --out "$OUT/cmdbuf_probe.json" > "$OUT/cmdbuf_probe.log" 2>&1
-    echo "cmdbuf_probe rc=$?"; tail -n 7 "$OUT/cmdbuf_probe.log"
-    timeout 400 python3 bench/async_probe.py --layers 48 --steps 30 --batches 1 \
-        --out "$OUT/async_probe_48_twins.json" > "$OUT/async_probe_48_twins.log" 2>&1
-    echo "async_probe 48 twins rc=$?"; grep -i "twin" "$OUT/async_probe_48_twins.log" | head -4
-    grep -v "compiling" "$OUT/async_probe_48_twins.log" | tail -n 16 ;;
+    echo "cmdbuf_probe rc=$?"; tail -n 7 "$OUT/cmdbuf_probe.log" ;;
+  staged)
+    timeout 360 python3 bench/async_probe.py --layers 48 --steps 30 --batches ${BATCHES:-1} \
+        --out "$OUT/async_probe_48_staged.json" > "$OUT/async_probe_48_staged.log" 2>&1
+    echo "async_probe 48 staged rc=$?"; grep -v "compiling" "$OUT/async_probe_48_staged.log" | tail -n 24 ;;
   prefill)
     timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
         > "$OUT/invariant_prefill.log" 2>&1
     echo "invariant_prefill rc=$?"; grep -v "compiling engine\|INFO" "$OUT/invariant_prefill.log" | tail -n 8 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx|twins" >&2; exit 2 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx|cmdbuf|staged" >&2; exit 2 ;;
 esac
