@@ -75,7 +75,8 @@ def by_kind(x, generated_fn: Callable, prompt_fn: Callable) -> jax.Array:
     width = min(first.shape[1], kinds.tokens)
     y = prompt_fn(x)
     head = generated_fn(jax.tree.map(lambda a: a[:, :width], x))
-    # the MTP drafts run each row's K1 alternatives as rows b * K1 + c (runner._mtp): row b's kind, repeated
+    # the dense MTP oracle runs each row's K1 alternatives as rows b * K1 + c (runner._mtp_dense): row b's kind,
+    # repeated (the paged drafts, mtp_paged.py, keep them as a row's K1 tokens)
     generated = jnp.repeat(kinds.generated, first.shape[0] // rows)
     keep = generated.reshape((first.shape[0],) + (1,) * (head.ndim - 1))
     head = jnp.where(keep, head, y[:, :width])

@@ -34,6 +34,12 @@ def model():
     return fj.load(dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def reference(model):
+    """Model.generate of the three prompts (the same for every k)."""
+    return [model.generate(p, MAX_TOKENS) for p in (A, B, C)]
+
+
 class RecordingRunner(RealRunner):
     """RealRunner that records each step's draft logits per live row, keyed by (slot, start)."""
 
@@ -76,10 +82,10 @@ def run(model, k: int, paged: bool):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_paged_mtp_equals_dense_oracle(model, k):
+def test_paged_mtp_equals_dense_oracle(model, reference, k):
     tokens, got, counters, rejected = run(model, k, paged=True)
     want_tokens, want, _, _ = run(model, k, paged=False)
-    assert tokens == want_tokens == [model.generate(p, MAX_TOKENS) for p in (A, B, C)]
+    assert tokens == want_tokens == reference
     assert rejected and 0 < counters["accepted"] < counters["drafts"], counters
 
     assert got.keys() == want.keys()
