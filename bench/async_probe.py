@@ -30,11 +30,10 @@ from bench.engine_step import RandomPleRunner  # noqa: E402
 from bench.results_io import save_result  # noqa: E402
 from flashnext_jax import api  # noqa: E402
 from flashnext_jax.config import from_hf_config  # noqa: E402
-from flashnext_jax.engine import Engine  # noqa: E402
 from flashnext_jax.llm import LLM  # noqa: E402
 from flashnext_jax.sampling import SamplingParams  # noqa: E402
 
-PARTS = ("_build_batch", "_run_chain", "_stage", "_launch_model_step", "_choose_tokens", "_commit")
+PARTS = ("_build_batch", "_run_chain", "_launch_model_step", "_choose_tokens", "_commit")
 
 
 def timed_parts(eng) -> dict[str, list[float]]:
@@ -100,8 +99,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="real_size.py's 2-layer demo-sized model (a CPU check)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--engines", default="plain,async,async_unstaged",
-                    help="which engines to probe (comma-separated; async_unstaged: async, its inputs not staged)")
+    ap.add_argument("--engines", default="plain,async", help="which engines to probe (comma-separated, in order)")
     ap.add_argument("--batches", default="1,2", help="decode batch sizes (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -116,9 +114,9 @@ def main(argv=None):
     runner = RandomPleRunner(model, 0)
     rows = []
     engines = args.engines.split(",")
-    for name in [m for m in ("plain", "async", "async_unstaged") if m in engines]:
-        # async_unstaged: the async engine without its decode inputs at fixed addresses (engine.stage_inputs)
-        Engine.STAGE_DECODE_INPUTS = name != "async_unstaged"
+    if set(engines) - {"plain", "async"}:
+        raise SystemExit(f"--engines: plain and/or async, got {args.engines!r}")
+    for name in engines:
         lm = LLM(runner, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=1024, page_size=64, num_pages=48,
                  prefill_buckets=(512,), page_table_width="max", compile_ahead=False, batch_invariant=False,
                  async_scheduling=name != "plain")
@@ -129,7 +127,7 @@ def main(argv=None):
             for h in row["hot_functions"][:6]:
                 print(f"    {h['own_ms_per_step']:7.3f} ms own {h['cum_ms_per_step']:7.3f} cum "
                       f"{h['calls_per_step']:5.1f}x  {h['function']}", flush=True)
-    cols = ["step_ms", "build_batch_ms", "run_chain_ms", "stage_ms", "flush_ms", "launch_model_step_ms", "choose_tokens_ms",
+    cols = ["step_ms", "build_batch_ms", "run_chain_ms", "flush_ms", "launch_model_step_ms", "choose_tokens_ms",
             "commit_ms"]
     print("engine   B " + " ".join(f"{c[:-3]:>18}" for c in cols))
     for r in rows:

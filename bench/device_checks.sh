@@ -9,8 +9,8 @@
 #   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
 #   bash bench/device_checks.sh longctx      # issue 14's report on the H200 (512 experts; needs_h200): TTFT/decode at
 #                                            # 4K-262K in the default (batch-invariant) mode, first vs second 32K
-#   bash bench/device_checks.sh staged       # issue 16: the async engine with its decode inputs at fixed addresses
-#                                            # (engine.stage_inputs) beside the plain one and without it, 48 layers, B = 1
+#   bash bench/device_checks.sh order        # issue 16: the async engine alone, then after the plain one (48 layers,
+#                                            # B = 1), with XLA's command-buffer update log (allocations moved per launch)
 #   bash bench/device_checks.sh cmdbuf       # tools/cmdbuf_probe.py (what a moved input costs a CUDA-graph launch)
 #   bash bench/device_checks.sh probe48      # issue 16: the async probe at 48 layers (device-bound, as the real size),
 #                                            # then again with XLA's command buffers off (does a graph update block?)
@@ -80,13 +80,21 @@ case "${1:-}" in
   cmdbuf)
     timeout 150 python3 tools/cmdbuf_probe.py --ops 1000 --out "$OUT/cmdbuf_probe.json" > "$OUT/cmdbuf_probe.log" 2>&1
     echo "cmdbuf_probe rc=$?"; tail -n 7 "$OUT/cmdbuf_probe.log" ;;
-  staged)
-    timeout 360 python3 bench/async_probe.py --layers 48 --steps 30 --batches ${BATCHES:-1} \
-        --out "$OUT/async_probe_48_staged.json" > "$OUT/async_probe_48_staged.log" 2>&1
-    echo "async_probe 48 staged rc=$?"; grep -v "compiling" "$OUT/async_probe_48_staged.log" | tail -n 24 ;;
+  order)
+    # stop 47: the async engine alone took 11.86 ms a step, after the plain engine in one process 5.84-5.90 ms
+    # (bench/results/async_probe_48layers_*_h100.*); XLA logs every command-buffer update with the number of
+    # allocations that moved (command_buffer_thunk.cc, VLOG 3): is the async launch re-recording, and for which?
+    for engines in async plain,async; do
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 270 python3 bench/async_probe.py \
+          --layers 48 --steps 30 --engines $engines --batches 1 --out "$OUT/async_probe_48_order_${engines/,/_}.json" \
+          > "$OUT/order_${engines/,/_}.log" 2>&1
+      echo "engines $engines rc=$?"; grep -c "Update command buffer" "$OUT/order_${engines/,/_}.log"
+      grep -o "updated_allocs=[0-9]*" "$OUT/order_${engines/,/_}.log" | sort | uniq -c | sort -rn | head -5
+      grep "^plain \|^async " "$OUT/order_${engines/,/_}.log"
+    done ;;
   prefill)
     timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
         > "$OUT/invariant_prefill.log" 2>&1
     echo "invariant_prefill rc=$?"; grep -v "compiling engine\|INFO" "$OUT/invariant_prefill.log" | tail -n 8 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx|cmdbuf|staged" >&2; exit 2 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx|cmdbuf|order" >&2; exit 2 ;;
 esac

@@ -267,16 +267,6 @@ def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch
     return dataclasses.replace(batch, ints=batch.ints.at[:, first].set(token), host=host)
 
 
-def stage_inputs(into: PackedBatch, batch: PackedBatch) -> PackedBatch:
-    """Async scheduling: `batch`'s values written into the buffers of `into` (donated), so that every decode step of
-    a shape reads its inputs at the same device addresses. Why: XLA runs a step as a CUDA graph and re-records it
-    when a buffer it recorded moved; a launch beside the previous step, whose inputs are still in use, found new
-    addresses every step (48 layers on the H100: launches of 3.8-10 ms against 1.3 ms; with inputs at fixed
-    addresses a 1,000-kernel program launches in 0.21 ms instead of 2.9: docs/real-size-decode.md)."""
-    return jax.tree_util.tree_map(lambda old, new: jax.lax.dynamic_update_slice(old, new, (0,) * old.ndim),
-                                  into, batch)
-
-
 def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
                 token_kinds: bool = False) -> tuple[Any, StepCache, CompileAhead]:
     """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
@@ -478,8 +468,6 @@ class EngineConfig:
 
 
 class Engine:
-    STAGE_DECODE_INPUTS = True  # async scheduling: decode inputs at fixed addresses (stage_inputs; False: a bench's control)
-
     def __init__(self, runner: ModelRunner, cfg: EngineConfig = EngineConfig(),
                  draft_hook: Callable[[Request, list[int]], list[int]] | None = None,
                  row_order: Callable[[int, list[str]], list[int]] | None = None,
@@ -584,10 +572,6 @@ class Engine:
         self._chains = StepCache(functools.partial(chain_tokens, runner.chained_host_inputs),
                                  cfg.max_compiled_samplers, donate_argnums=(), name="chain_tokens",
                                  log_level=logging.DEBUG, batch_invariant=cfg.batch_invariant)
-        # decode steps' inputs at fixed device addresses (stage_inputs): one buffer set per batch type
-        self._stagers = StepCache(stage_inputs, cfg.max_compiled_samplers, donate_argnums=(0,), name="stage_inputs",
-                                  log_level=logging.DEBUG, batch_invariant=cfg.batch_invariant)
-        self._staged: collections.OrderedDict[tuple, PackedBatch] = collections.OrderedDict()
         params = runner.place_chain_inputs()
         log.info("async scheduling: %.2f GB of chained-row inputs on the device",
                  sum(a.nbytes for a in jax.tree_util.tree_leaves(params)) / 1e9)
@@ -698,7 +682,6 @@ class Engine:
             for key in keys:
                 if key.tokens == self._decode_tokens:
                     self._compile_chains(key)
-                    self._stage(self._abstract_args(key)[2], compile_only=True)
         if self._multiprocess:  # the outputs' collectives of these parameters' steps (a greedy step's: above)
             for key in keys:
                 for p in sampling_params:
@@ -1067,27 +1050,7 @@ class Engine:
         # the H200 host (bench/results/engine_host_profile.json)
         batch = jax.device_put(PackedBatch.pack(slot, gen, tokens, n_valid, start, pt, host, generated,
                                                 self._kinds_width))
-        batch = self._chain_batch(batch, chained) if chained else batch
-        stage = self.cfg.async_scheduling and self.STAGE_DECODE_INPUTS and T == self._decode_tokens
-        return self._stage(batch) if stage else batch
-
-    def _stage(self, batch: PackedBatch, compile_only: bool = False) -> PackedBatch:
-        """A decode step's batch at its type's fixed device addresses (stage_inputs): the first batch of a type
-        becomes that type's buffers; every later one is copied into them, donating the previous batch of the
-        type (the step in flight reads it: the copy runs after it, in stream order). compile_only: `batch` holds
-        types; compile the copy program only."""
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
-        key = (tree, tuple((t.shape, t.dtype) for t in types))
-        if compile_only:
-            types = jax.tree_util.tree_unflatten(tree, types)
-            return self._stagers.compile(key, (types, types))
-        into = self._staged.pop(key, None)
-        staged = batch if into is None else self._stagers.call(key, (into, batch))
-        self._staged[key] = staged
-        while len(self._staged) > self._stagers.limit:  # as many buffer sets as compiled copy programs
-            self._staged.popitem(last=False)
-        return staged
+        return self._chain_batch(batch, chained) if chained else batch
 
     def _chain_batch(self, batch: PackedBatch, rows: list[RowTicket]) -> PackedBatch:
         """The chained rows' tokens (and the host inputs made from them) from the previous step's device outputs."""
