@@ -39,7 +39,7 @@ from .config import ModelConfig
 from .layers import linear
 from .mtp import attention_input, mtp_input, mtp_layer
 from .qsa import block_keys, project
-from .qsa_paged import PagedKV, _page_rows, _write, _write_block_keys, top_blocks
+from .qsa_paged import PagedKV, page_rows, top_blocks, write_block_keys, write_tokens
 
 SHIFT = 1  # page position = cache index + 1
 
@@ -52,8 +52,9 @@ def fold(params: dict, cfg: ModelConfig, kv: PagedKV, hyper, next_tokens, q, mro
     p = params["mtp"]["layers"][0]["self_attn"]
     u = attention_input(params, cfg, mtp_input(params, cfg, hyper, next_tokens, image_embeds, image_mask))
     _, _, k, v, _, k_index = project(p, cfg, u, q - SHIFT, mrope)
-    kv = kv._replace(k=_write(kv.k, kv, q, k), v=_write(kv.v, kv, q, v), index=_write(kv.index, kv, q, k_index))
-    return kv._replace(block_keys=_write_block_keys(p["indexer"], cfg, kv, q - SHIFT, mrope, shift=SHIFT))
+    kv = kv._replace(k=write_tokens(kv.k, kv, q, k), v=write_tokens(kv.v, kv, q, v),
+                     index=write_tokens(kv.index, kv, q, k_index))
+    return kv._replace(block_keys=write_block_keys(p["indexer"], cfg, kv, q - SHIFT, mrope, shift=SHIFT))
 
 
 def drafts(params: dict, cfg: ModelConfig, kv: PagedKV, h_tail, tail_logits, tail_index, k: int, mrope=None):
@@ -78,7 +79,7 @@ def _entries(pool, side, kv: PagedKV, x, t):
     """Entries [B, C, S, ...] of cache indices x [B, C, S] for the chains from tail indices t [B, C]: below t from
     the pages (page position x + 1), from t on from the side buffer [B, C, k, ...] (entry x - t)."""
     b, c, s = x.shape
-    page, row = _page_rows(kv, (x + SHIFT).reshape(b, c * s))
+    page, row = page_rows(kv, (x + SHIFT).reshape(b, c * s))
     paged = pool[page, row, kv.layer].reshape(b, c, s, *pool.shape[3:])
     expand = lambda a: a.reshape(b, c, s, *([1] * (side.ndim - 3)))  # noqa: E731
     own = jnp.take_along_axis(side, expand(jnp.clip(x - t[..., None], 0, side.shape[2] - 1)), axis=2)
@@ -89,37 +90,39 @@ def _draft_attention(p: dict, u, *, cfg: ModelConfig, kv: PagedKV, t, i: int, si
     """The QSA layer for draft step i of every chain (query at cache index t + i; u [B, C, H]) -> (y [B, C, H],
     the side buffer with this step's entries)."""
     b, c, _ = u.shape
-    ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    pos = t + i
-    q, gate, k, v, q_index, k_index = project(p, cfg, u, pos, mrope)
+    q, gate, k, v, q_index, k_index = project(p, cfg, u, t + i, mrope)
     side = tuple(s.at[:, :, i].set(new.astype(s.dtype)) for s, new in zip(side, (k, v, k_index)))
-    side_k, side_v, side_index = side
+    x, on = _draft_keys(p["indexer"], cfg, kv, q_index, t, t + i, side[2], mrope)
+    out = gathered_attention(q.reshape(b, c, nkv, nh // nkv, hd), _entries(kv.k, side[0], kv, x, t),
+                             _entries(kv.v, side[1], kv, x, t), on)
+    out = out.astype(u.dtype).reshape(b, c, nh * hd) * jax.nn.sigmoid(gate)
+    return linear(out, p["o_proj"]), side
 
+
+def _draft_keys(p: dict, cfg: ModelConfig, kv: PagedKV, q_index, t, pos, side_index, mrope=None):
+    """The cache indices a draft query at pos [B, C] attends, x [B, C, S], and which of them it does, on [B, C, S]:
+    the indexer's top blocks, then the tail block (its first (pos + 1) % 4 entries: up to the query itself)."""
+    b, c = t.shape
+    ratio, top = cfg.indexer_compress_ratio, cfg.block_topk
     # blocks before the tail token's block: their cached keys; from there on (at most `n_fresh` complete ones by
-    # the last draft) keys from their raw keys, pages and side buffer mixed; merged in increasing block order
+    # the last draft) keys from their raw keys, pages and side buffer mixed, scored after them (ties: lower block)
     tail_block = t // ratio
     vals, idx = top_blocks(cfg, q_index, kv, tail_block, first=SHIFT)
-    n_fresh = (ratio - 1 + side_k.shape[2]) // ratio
+    n_fresh = (ratio - 1 + side_index.shape[2]) // ratio
     fresh = tail_block[..., None] + jnp.arange(n_fresh)  # [B, C, n_fresh]
     raw = _entries(kv.index, side_index, kv, (fresh[..., None] * ratio + jnp.arange(ratio)).reshape(b, c, -1), t)
-    keys = block_keys(p["indexer"], cfg, raw.reshape(b, c * n_fresh, ratio, -1), fresh.reshape(b, c * n_fresh),
-                      mrope)
+    keys = block_keys(p, cfg, raw.reshape(b, c * n_fresh, ratio, -1), fresh.reshape(b, c * n_fresh), mrope)
     n_complete = (pos + 1) // ratio
     scores = qsa_sparse.indexer_scores(q_index.reshape(b * c, 1, *q_index.shape[2:]),
                                        keys.reshape(b * c, n_fresh, -1), (n_complete - tail_block).reshape(b * c, 1), 0)
     vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores.reshape(b, c, n_fresh)], axis=-1), top)
     idx = jnp.take_along_axis(jnp.concatenate([idx, fresh], axis=-1), pick, axis=-1)
 
-    # the chosen blocks and the tail block (its first (p + 1) % 4 entries: up to the query itself)
     blocks = jnp.concatenate([idx, n_complete[..., None]], axis=-1)
     length = jnp.concatenate([jnp.where(jnp.isfinite(vals), ratio, 0), ((pos + 1) % ratio)[..., None]], axis=-1)
     x = (blocks[..., None] * ratio + jnp.arange(ratio)).reshape(b, c, -1)
-    on = (jnp.arange(ratio) < length[..., None]).reshape(b, c, -1)
-    out = gathered_attention(q.reshape(b, c, nkv, nh // nkv, hd), _entries(kv.k, side_k, kv, x, t),
-                             _entries(kv.v, side_v, kv, x, t), on)
-    out = out.astype(u.dtype).reshape(b, c, nh * hd) * jax.nn.sigmoid(gate)
-    return linear(out, p["o_proj"]), side
+    return x, (jnp.arange(ratio) < length[..., None]).reshape(b, c, -1)
 
 
 __all__ = ["fold", "drafts"]

@@ -54,7 +54,7 @@ class PagedKV(NamedTuple):
     offload: bool = False
 
 
-def _page_rows(kv: PagedKV, positions):
+def page_rows(kv: PagedKV, positions):
     """(page, row) of absolute positions [B, ...]; unmapped positions read the null page."""
     shape = positions.shape
     page, row = token_page_index(kv.page_table, positions.reshape(shape[0], -1), kv.k.shape[1])
@@ -62,13 +62,14 @@ def _page_rows(kv: PagedKV, positions):
     return page.reshape(shape), row.reshape(shape)
 
 
-def _write(pool, kv: PagedKV, positions, values):
+def write_tokens(pool, kv: PagedKV, positions, values):
+    """pool with values [B, T, ...] written at absolute positions [B, T] where kv.write (others dropped)."""
     page, row = token_page_index(kv.page_table, positions, pool.shape[1])
     page = jnp.where(kv.write & (page >= 0), page, pool.shape[0])  # out of range: dropped
     return pool.at[page, row, kv.layer].set(values.astype(pool.dtype), mode="drop")
 
 
-def _write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=None, shift: int = 0):
+def write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=None, shift: int = 0):
     """The block-key pool with the keys of the blocks this step's tokens complete (a token at cache index 4j + 3
     completes block j), each from its block's raw keys in the pages (this step's just written). A draft token that
     is rejected later is rewritten by a later step, its block key with it, before any query counts that block.
@@ -77,7 +78,7 @@ def _write_block_keys(p: dict, cfg: ModelConfig, kv: PagedKV, positions, mrope=N
     ratio = cfg.indexer_compress_ratio
     b, t = positions.shape
     block = positions // ratio
-    page, row = _page_rows(kv, shift + (block[..., None] * ratio + jnp.arange(ratio)).reshape(b, t * ratio))
+    page, row = page_rows(kv, shift + (block[..., None] * ratio + jnp.arange(ratio)).reshape(b, t * ratio))
     keys = block_keys(p, cfg, kv.index[page, row, kv.layer].reshape(b, t, ratio, -1), block, mrope)
     pid, off = token_page_index(kv.page_table, positions + shift, kv.index.shape[1])
     completes = kv.write & ((positions + 1) % ratio == 0) & (pid >= 0)
@@ -122,7 +123,7 @@ def top_blocks(cfg: ModelConfig, q_index, kv: PagedKV, n_complete, first: int = 
 
     def tile_scores(start):  # [B, T, tile] scores of blocks start .. start + tile - 1
         blocks = start + jnp.arange(tile)
-        page, row = _page_rows(kv, jnp.broadcast_to((blocks + first) * ratio, (b, tile)))
+        page, row = page_rows(kv, jnp.broadcast_to((blocks + first) * ratio, (b, tile)))
         keys = kv.block_keys[page, row // ratio, kv.layer]
         return qsa_sparse.indexer_scores(q_index, keys, n_complete, start), blocks
 
@@ -156,9 +157,9 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
         k_pool, v_pool = (qsa_offload.write_entries(pool, kv.layer, kv.page_table, positions, kv.write, new)
                           for pool, new in ((kv.k, k), (kv.v, v)))
     else:
-        k_pool, v_pool = _write(kv.k, kv, positions, k), _write(kv.v, kv, positions, v)
-    kv = kv._replace(k=k_pool, v=v_pool, index=_write(kv.index, kv, positions, k_index))
-    kv = kv._replace(block_keys=_write_block_keys(p["indexer"], cfg, kv, positions, mrope))
+        k_pool, v_pool = write_tokens(kv.k, kv, positions, k), write_tokens(kv.v, kv, positions, v)
+    kv = kv._replace(k=k_pool, v=v_pool, index=write_tokens(kv.index, kv, positions, k_index))
+    kv = kv._replace(block_keys=write_block_keys(p["indexer"], cfg, kv, positions, mrope))
 
     with jax.named_scope("select"):
         idx, chosen = select_blocks(cfg, q_index, kv, positions)
@@ -168,7 +169,7 @@ def qsa_paged_forward(p: dict, cfg: ModelConfig, u, positions, valid, kv: PagedK
     # never past the row's last written key (padding queries), as the dense path's `written` mask
     last = jnp.max(jnp.where(valid, positions, -1), axis=1)
     length = jnp.clip(jnp.minimum(length, last[:, None, None] - blocks * ratio + 1), 0, ratio)
-    page, row = _page_rows(kv, blocks * ratio)
+    page, row = page_rows(kv, blocks * ratio)
 
     qh = q.reshape(bsz, t, nkv, nh // nkv, hd)
     with jax.named_scope("attend"):
