@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable
 
 import jax
@@ -37,7 +38,8 @@ log = logging.getLogger("flashnext_jax.engine")
 
 THREAD_NAME = "flashnext-compile-ahead"
 SWITCH_INTERVAL_S = 1e-4  # CPython's GIL switch interval while the worker traces and lowers (default 5e-3)
-_WORKERS: list["CompileAhead"] = []  # live workers, for the exit hook
+_WORKERS: "weakref.WeakSet[CompileAhead]" = weakref.WeakSet()  # live workers, for the exit hook (weak: a worker
+# goes with its engine's runner, engine.jitted_step)
 
 
 def _wait_at_exit():
@@ -73,7 +75,9 @@ def abstract(tree: Any) -> Any:
 class CompileAhead:
     """One worker thread calling `compile(key, abstract_args)` (step_cache.StepCache.compile: it keeps the
     executable) one key at a time (compiles are long and use the host's cores: one at a time leaves the serving
-    thread its share). `is_compiled(key)`: whether the key's step is compiled already."""
+    thread its share). `is_compiled(key)`: whether the key's step is compiled already. The thread ends when the
+    queue is empty (a new request starts another): an idle thread would hold its compiler, and through it the
+    runner and every executable, alive for the process's life."""
 
     def __init__(self, compile: Callable[[Hashable, tuple], Any], is_compiled: Callable[[Hashable], bool]):
         self._compile_fn, self._is_compiled = compile, is_compiled
@@ -92,11 +96,13 @@ class CompileAhead:
             if self._closing or self._is_compiled(key) or key in self._pending or key in self.failed:
                 return False
             self._pending[key] = threading.Event()
+        args = make_args()
+        with self._lock:
+            self._queue.put((key, args, what))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
                 self._thread.start()
-                _WORKERS.append(self)
-        self._queue.put((key, make_args(), what))
+                _WORKERS.add(self)
         log.info("background compile of the engine step for %s: queued", what)
         return True
 
@@ -128,7 +134,11 @@ class CompileAhead:
 
     def _work(self):
         while True:
-            key, args, what = self._queue.get()
+            with self._lock:  # request() puts and checks the thread under this lock: no item is left behind
+                if self._queue.empty():
+                    self._thread = None
+                    return
+                key, args, what = self._queue.get_nowait()
             with self._busy:
                 if self._closing:
                     with self._lock:

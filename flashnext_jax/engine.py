@@ -139,8 +139,6 @@ class ModelRunner(Protocol):
         ...
 
 
-# (id(runner), batch_invariant, token_kinds) -> (runner, its model steps, its samplers, their background compiler)
-_JIT: dict[tuple, tuple] = {}
 
 
 def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
@@ -275,9 +273,17 @@ def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
     A pipeline (pipeline.py) has one jitted model step per stage instead: its PipelineSteps stands in for the model
     steps' StepCache. Engines of one runner in the two batch-invariance modes (EngineConfig.batch_invariant) get
     separate caches: a program keeps the mode it was traced in; so do engines with and without token kinds (their
-    batches carry the kinds' width, EngineConfig.token_kinds)."""
-    hit = _JIT.get((id(runner), batch_invariant, token_kinds))
-    if hit is None or hit[0] is not runner:
+    batches carry the kinds' width, EngineConfig.token_kinds).
+
+    The programs live in the runner's own attributes, so they go with it: a module-level registry kept every
+    runner ever used, and with it every executable it compiled (a notebook or a benchmark making engine after
+    engine ran out of memory mappings, stop 47). A copy of a runner (`copy.copy`) starts with none of them."""
+    owner, programs = vars(runner).get("_engine_programs", (None, None))
+    if owner != id(runner):
+        programs = {}
+        vars(runner)["_engine_programs"] = (id(runner), programs)  # vars(): frozen dataclasses too
+    hit = programs.get((batch_invariant, token_kinds))
+    if hit is None:
         if hasattr(runner, "pipeline_step"):
             if runner.batch_invariant != batch_invariant:
                 raise ValueError(f"the pipeline's stages were built with batch_invariant={runner.batch_invariant}, "
@@ -288,9 +294,9 @@ def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
                               batch_invariant=batch_invariant)
         samplers = StepCache(choose_tokens_packed, 64, donate_argnums=(), static_argnums=(3,), name="choose_tokens",
                              log_level=logging.DEBUG, batch_invariant=batch_invariant)
-        hit = (runner, steps, samplers, CompileAhead(steps.compile, steps.__contains__))
-        _JIT[(id(runner), batch_invariant, token_kinds)] = hit
-    return hit[1], hit[2], hit[3]
+        hit = (steps, samplers, CompileAhead(steps.compile, steps.__contains__))
+        programs[(batch_invariant, token_kinds)] = hit
+    return hit
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:

@@ -116,3 +116,21 @@ def test_compiled_samplers_are_bounded_too():
             eng.step()
         assert len(eng._samplers) <= 2 and _live_samplers() - before <= 2
     assert eng._samplers.counters["compiled"] == 4 and eng._samplers.counters["evicted"] == 2
+
+
+def test_a_dropped_runner_releases_its_executables():
+    """The compiled programs live with their runner (engine.jitted_step): an engine and its runner dropped leave
+    no live executable behind (a module-level registry once kept every runner a process had used, and a notebook
+    or benchmark making engine after engine ran out of memory mappings)."""
+    before = _live()
+    for _ in range(2):
+        runner = ToyRunner(CFG, 1)
+        eng = Engine(runner, EngineConfig(max_num_seqs=1, max_model_len=64, page_size=4))
+        eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.requests["r"].output == solo_greedy(CFG, [5, 6, 7], 4, ignore_eos=True)
+        assert _live() - before >= 1
+        eng._ahead.wait_all()
+        del eng, runner
+        assert _live() == before
