@@ -139,8 +139,6 @@ class ModelRunner(Protocol):
         ...
 
 
-
-
 def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
     """runner.step(params, store, batch) plus, computed on the device: for "logits" and "draft_logits" the argmax
     over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"). Greedy rows commit
@@ -275,9 +273,9 @@ def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
     separate caches: a program keeps the mode it was traced in; so do engines with and without token kinds (their
     batches carry the kinds' width, EngineConfig.token_kinds).
 
-    The programs live in the runner's own attributes, so they go with it: a module-level registry kept every
-    runner ever used, and with it every executable it compiled (a notebook or a benchmark making engine after
-    engine ran out of memory mappings, stop 47). A copy of a runner (`copy.copy`) starts with none of them."""
+    The programs live in the runner's own attributes, so they go with it: a process that makes engine after engine
+    (a notebook, a benchmark) must not keep every executable it ever compiled (each holds memory mappings). A copy
+    of a runner (`copy.copy`) starts with none of them."""
     owner, programs = vars(runner).get("_engine_programs", (None, None))
     if owner != id(runner):
         programs = {}
