@@ -1,5 +1,6 @@
 """bench/invariance_probe.py on the CPU: it covers every op at every row count and finds what it must find."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ def test_invariance_probe_quick_on_cpu(tmp_path):
     subprocess.run([sys.executable, "bench/invariance_probe.py", "--quick", "--ms", "3,32,33", "--rows-checked", "2",
                     "--out", str(out)],
                    cwd=ROOT, check=True, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-                                             "PATH": "/usr/bin:/bin"}, capture_output=True)
+                                             "PATH": "/usr/bin:/bin", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}, capture_output=True)
     result = json.loads(out.read_text())
     rows = result["rows"]
     ops = {r["op"] for r in rows}

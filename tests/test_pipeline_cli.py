@@ -12,7 +12,7 @@ ROOT = Path(__file__).parents[1]
 
 def _generate(*extra, devices=1):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
                JAX_COMPILATION_CACHE_DIR=str(ROOT / f".jax_cache_cli{devices}"))
     return subprocess.run([sys.executable, "-m", "flashnext_jax.cli", "generate", "--token-ids", "5,9,2,7,1",
                            "--max-new-tokens", "6", "--dtype", "float32", *extra], capture_output=True, text=True,

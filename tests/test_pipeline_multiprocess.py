@@ -35,7 +35,7 @@ def _two_processes(command, timeout: int, env: dict | None = None) -> list[str]:
     """Run command(process, port) as processes 0 and 1 at once -> their standard outputs. A process that exits
     with an error fails the test at once with its own error output (the other is killed), as does a timeout."""
     port = str(_free_port())
-    extra, env = env or {}, dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    extra, env = env or {}, dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(extra)
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in (0, 1)]  # never a full pipe

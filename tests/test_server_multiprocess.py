@@ -41,7 +41,7 @@ class TwoProcessServer:
 
     def __init__(self, env1: dict | None = None):
         coordinator, self.port = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="",
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
                    JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache_serve_mp"))  # (process 0 writes it)
         self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in (0, 1)]
         self.procs = [subprocess.Popen(
