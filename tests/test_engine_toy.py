@@ -98,6 +98,11 @@ class ToyEngineMachine(EngineMachine):
         self.h.add(self.h.prompt(m, delta, corpus, mutate), max_tokens, ignore_eos, stop, seed)
 
 
+# Slow (~70 s of the suite, stop 48): test_soak_2000_steps_with_coverage below is the default suite's run of this
+# Harness, its rules (arrivals with greedy, seeded and stopped requests, aborts, steps, the drain) and its oracles
+# after every step, over the same drawn configurations (D, k, block, page, slots, budget, prefix, tight pages,
+# async), >= 2000 steps, with every kind of event asserted met; test_engine_machine_long is the slow machine too.
+@pytest.mark.slow
 def test_engine_machine_2000_steps():
     start = STEPS["n"]
     # derandomize seeds from the machine class's source, so editing it redraws the examples; their step counts vary

@@ -180,6 +180,9 @@ def test_forward_with_stacked_params_equals_per_layer_params(monkeypatch, mode):
                   start=jnp.zeros((2,), jnp.int32), n_valid=jnp.asarray([t, 2], jnp.int32),
                   ple_rows=jnp.asarray(rng.standard_normal((len(cfg.ple_layers), 2, t, cfg.ple_embed_dim or 1)) * .02,
                                        jnp.bfloat16))
-    outs = [forward(p, cfg, batch, init_state(cfg, 2, 16, jnp.bfloat16))[0] for p in (params, stacked)]
+    # jitted, as the engine runs it (eagerly, the op-by-op dispatch compiled ~1,400 small programs: ~1 min); a new
+    # function per call, so each mode traces its own kernels (jit's cache is keyed by the function)
+    step = jax.jit(lambda p, b, s: forward(p, cfg, b, s))
+    outs = [step(p, batch, init_state(cfg, 2, 16, jnp.bfloat16))[0] for p in (params, stacked)]
     assert np.isfinite(np.asarray(outs[0])).all()
     np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))

@@ -113,6 +113,13 @@ def _lm(runner, kinds: bool):
                   min_batch_bucket=2, min_token_bucket=2, min_pool_capacity=(4, 16, 8))
 
 
+# Slow (~135 s of the suite's compiles, stop 48): the default suite checks these rules on every step of runs with
+# token kinds, MTP k = 1 and preemptions, each request's tokens and logprobs bitwise its solo run without kinds
+# (test_batch_invariance_engine.py::test_bf16_engine_machine_equals_solo_bitwise: kind_violations after each
+# step on odd seeds, a preemption met with kinds asserted), kinds with prefix hits giving the tokens of the run
+# without them (test_pipeline.py::test_pipeline_with_token_kinds_equals_one_stage), and the rule check's control
+# below (test_the_rule_check_fails_without_kinds).
+@pytest.mark.slow
 def test_scheduler_keeps_prompt_and_generated_tokens_apart(demo_runner):
     sp = fj.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     lm = _lm(demo_runner, True)
