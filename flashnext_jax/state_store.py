@@ -663,12 +663,12 @@ class StoreLedger:
         if self._applied is not None:
             self._applied.update(kind.encode() + a.tobytes())
 
-        def one(st, inits):
-            if kind == "reset":
-                return _op_reset(st, jnp.asarray(a), inits)
+        def one(st, inits):  # `a` goes to the jitted op as numpy: jit's own transfer, not an eager one first
+            if kind == "reset":  # (half the dispatch time of a store op: an MTP step's cursor move 66 -> 32 us)
+                return _op_reset(st, a, inits)
             if kind.startswith("set_slot:"):
-                return _op_set_slot(st, jnp.asarray(a), kind.split(":", 1)[1])
-            return _OPS[kind](st, jnp.asarray(a))
+                return _op_set_slot(st, a, kind.split(":", 1)[1])
+            return _OPS[kind](st, a)
         stores = self.store if self.staged else (self.store,)
         stores = tuple(one(st, inits) if held else st for st, inits, held in zip(stores, self._inits, self.held))
         self.store = stores if self.staged else stores[0]
