@@ -228,6 +228,8 @@ class LLM:
         self._prompts[rid] = text
         self._emitted[rid] = (0, 0)
         try:
+            if images is not None:  # the tower, without the engine's lock: steps in flight go on meanwhile
+                images = self.engine.encode_images(rid, ids, images)
             with self._lock:
                 return self.engine.add_request(rid, ids, params, stop_checker=checker, images=images)
         except ValueError:  # refused (a bad grammar, ...): keep nothing of it
@@ -330,10 +332,26 @@ class LLM:
     async def stream(self, prompt, params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput (cumulative text/token_ids plus deltas) each time the request gets tokens.
-        A consumer that stops iterating aborts the request."""
-        req = self._add(prompt, params or SamplingParams(), request_id)
+        A consumer that stops iterating aborts the request.
+
+        The request is added on a worker thread: tokenizing a long prompt and running the vision tower over its
+        images would otherwise hold the event loop (every other stream's tokens, new connections) for their
+        time. Its queue is registered first, so the steps that run meanwhile cannot finish it unseen."""
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = q
+        self._streams[rid] = q
+        add = asyncio.get_running_loop().run_in_executor(None, self._add, prompt, params or SamplingParams(), rid)
+        try:
+            req = await asyncio.shield(add)
+        except asyncio.CancelledError:  # the caller left while the request was being added: drop it once it is
+            self._streams.pop(rid, None)
+            add.add_done_callback(lambda done: done.exception() is None and self._drop(done.result()))
+            raise
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         try:
@@ -346,10 +364,14 @@ class LLM:
                     return
         finally:
             self._streams.pop(req.request_id, None)
-            if not req.finished:
-                with self._lock:
-                    self.engine.abort(req.request_id)
-            self._forget(req.request_id)
+            self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        """A request whose caller is gone: aborted if unfinished, and forgotten."""
+        if not req.finished:
+            with self._lock:
+                self.engine.abort(req.request_id)
+        self._forget(req.request_id)
 
     async def _run(self):
         loop = asyncio.get_running_loop()

@@ -1,7 +1,8 @@
 """A request's images as the engine carries them: the vision tower's rows, the MRoPE spans and content hashes.
 
-Why a record per request: the tower runs once, as its own jitted program, when the request is added (before
-its prefill), and its rows stay with the request. Every prefill chunk (a chunk may split an image, a
+Why a record per request: the tower runs once, as its own jitted program, before the request's prefill (the
+server runs it on a worker thread, off the engine's lock: `Engine.encode_images`), and its rows stay with the
+request. Every prefill chunk (a chunk may split an image, a
 preemption recomputes the prompt) takes the rows of the pads it covers from here; no batch row ever holds them
 beyond its step. The spans go into the request's slot (`RealRunner`'s `mrope_spans` leaf, written by the ledger
 when the slot is allocated), so every later step, decodes included, computes its 3-D positions from the slot.
@@ -24,12 +25,14 @@ from .mrope import image_spans
 @dataclasses.dataclass(frozen=True)
 class RequestImages:
     """embeds [pads, H] (prompt order, on the host), pad_index [pads] (their prompt positions), spans [M, 4]
-    (mrope.SpanRope), and per image (first pad index, blake2b of its grid and pixels) for the prefix keys."""
+    (mrope.SpanRope), per image (first pad index, blake2b of its grid and pixels) for the prefix keys, and the
+    digest of the prompt they were encoded for (`prompt_digest`: the engine refuses them for another prompt)."""
 
     embeds: np.ndarray
     pad_index: np.ndarray
     spans: np.ndarray
     hashes: tuple[tuple[int, bytes], ...]
+    prompt: bytes
 
     def prefix_salt(self, length: int) -> bytes:
         """The content hashes of the images whose pads start within the first `length` tokens."""
@@ -39,6 +42,11 @@ class RequestImages:
         """(row offsets within tokens [start, start + n), their embeddings) of the pads that range covers."""
         lo, hi = np.searchsorted(self.pad_index, [start, start + n])
         return self.pad_index[lo:hi] - start, self.embeds[lo:hi]
+
+
+def prompt_digest(prompt) -> bytes:
+    """What RequestImages.prompt holds for a prompt of token ids."""
+    return hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=16).digest()
 
 
 def patch_bucket(n: int, merge: int) -> int:
@@ -84,7 +92,7 @@ def encode_images(tower, prompt, images, dtype, max_images: int) -> RequestImage
         digest = hashlib.blake2b(np.asarray([t, gh, gw], np.int64).tobytes() + pixels.tobytes(), digest_size=16)
         hashes.append((int(spans[j, 0]), digest.digest()))
         patch += t * gh * gw
-    return RequestImages(np.asarray(embeds, dtype), pad_index, spans, tuple(hashes))
+    return RequestImages(np.asarray(embeds, dtype), pad_index, spans, tuple(hashes), prompt_digest(ids))
 
 
-__all__ = ["RequestImages", "bucketed_embeddings", "encode_images", "patch_bucket"]
+__all__ = ["RequestImages", "bucketed_embeddings", "encode_images", "patch_bucket", "prompt_digest"]

@@ -139,6 +139,66 @@ def test_concurrent_image_and_text_requests_each_equal_their_solo_run():
     assert other_image(outs[2], outs[0])  # the same text with other pixels: another distribution
 
 
+def test_a_slow_tower_stalls_neither_the_event_loop_nor_other_streams(monkeypatch):
+    """LLM.stream adds a request on a worker thread and the tower runs without the engine's lock
+    (Engine.encode_images): while an image request's tower runs (made to take 1.5 s here), a text stream already
+    running keeps getting tokens and the event loop keeps turning. Both stalled for the tower's whole time when it
+    ran inside add_request on the event loop, under the lock. The image request still equals its solo run, and
+    images encoded for one prompt are refused with another."""
+    import asyncio
+    import time
+
+    lm = llm()
+    text = TEXT["short/ids"].tolist()
+    long_text = fj.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    lm.generate(text, long_text)  # every step shape of the text stream and the tower compiled before the timing
+    chat = fixture_chat("one_image")
+    lm.engine.encode_images("warm-up", chat["prompt_token_ids"], chat["images"])
+    real, tower = lm.runner.encode_images, []
+
+    def slow(prompt, images):
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        out = real(prompt, images)
+        tower.append((t0, time.monotonic()))
+        return out
+    monkeypatch.setattr(lm.runner, "encode_images", slow)
+
+    async def run():
+        ticks, text_times = [], []
+
+        async def ticker():
+            while not tower:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        async def text_stream():
+            async for out in lm.stream(text, long_text):
+                text_times.append((time.monotonic(), len(out.token_ids)))
+
+        async def image_request():
+            while not text_times:  # the text stream runs first
+                await asyncio.sleep(0.01)
+            return [o async for o in lm.stream(chat, GREEDY)][-1]
+
+        tick = asyncio.create_task(ticker())
+        _, image_out = await asyncio.gather(text_stream(), image_request())
+        await tick
+        return ticks, text_times, image_out
+
+    ticks, text_times, image_out = asyncio.run(run())
+    (t0, t1), = tower
+    during = [n for t, n in text_times if t0 < t < t1]
+    assert len(during) >= 2 and during[-1] - during[0] >= 10, during  # the steps went on
+    gaps = np.diff([t for t in ticks if t0 - 0.1 < t < t1 + 0.1])
+    assert len(gaps) and gaps.max() < 0.5, gaps.max()  # the loop turned
+    assert same_run(image_out, solo("one_image", chat))
+
+    encoded = lm.engine.encode_images("r", chat["prompt_token_ids"], chat["images"])
+    with pytest.raises(ValueError, match="encoded for another prompt"):
+        lm.engine.add_request("r", chat["prompt_token_ids"][:-1] + [0], GREEDY, images=encoded)
+
+
 def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
     lm = llm(enable_prefix_caching=True, block_size=16)
     first_pad = int(np.nonzero(REF["chat/one_image/ids"] == PAD)[0][0])
