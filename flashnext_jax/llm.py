@@ -96,7 +96,7 @@ class LLM:
                  precompile_sampling: Sequence[SamplingParams] = (),
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  limit_mm_per_prompt: dict | None = None, allowed_media_domains: Sequence[str] | None = None,
-                 max_image_pixels: int | None = None, **engine_kwargs):
+                 max_image_pixels: int | None = None, mm_processor_kwargs: dict | None = None, **engine_kwargs):
         """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
@@ -108,7 +108,9 @@ class LLM:
         with a vision tower, docs/vision.md), as vLLM's: limit_mm_per_prompt={"image": N} images per prompt at most
         (default: RealRunner's 8 image slots), allowed_media_domains: hosts http(s) image URLs may be fetched from
         (default: none, data: URLs only); max_image_pixels: of one image as decoded (default: Pillow's
-        decompression-bomb threshold, 89,478,485). engine_kwargs: further EngineConfig fields, e.g.
+        decompression-bomb threshold, 89,478,485); mm_processor_kwargs: the image processor's resize bounds instead
+        of preprocessor_config.json's, {"min_pixels": .., "max_pixels": ..} (or transformers' "size"), as vLLM's
+        (an image's tokens grow with its pixels). engine_kwargs: further EngineConfig fields, e.g.
         qsa_kv_offload=True: the QSA K/V pages in pinned host memory (docs/long-context.md)."""
         k = 0
         if speculative_config:
@@ -141,6 +143,7 @@ class LLM:
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
         self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
+        self.processor = self._processor(mm_processor_kwargs)
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         self.runner = self.engine.runner  # qsa_kv_offload=True: the runner with its K/V in host memory
@@ -173,6 +176,17 @@ class LLM:
                            max_pixels=max_pixels or DEFAULT_MAX_IMAGE_PIXELS,
                            allowed_domains=frozenset(d.lower() for d in domains or ()))
 
+    def _processor(self, kwargs: dict | None):
+        """The image processor config mm_processor_kwargs makes (None: the checkpoint's)."""
+        if kwargs is None:
+            return None
+        tower = getattr(getattr(self.runner, "model", None), "vision", None)
+        if self.media.refusal is not None or tower is None or tower.processor is None:
+            raise ValueError("mm_processor_kwargs: this model takes no images")
+        from .vision_preprocess import with_processor_kwargs
+
+        return with_processor_kwargs(tower.processor, kwargs)  # a ValueError names what is wrong
+
     # ---- requests
     def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], Any]:
         """A templated prompt's ids with one <|image_pad|> per image + PIL images -> (the ids with each image's pads
@@ -181,7 +195,7 @@ class LLM:
         self.media.check_count(len(images))
         for i, image in enumerate(images):
             self.media.check_size(image, f"image {i}")
-        return self.runner.model.image_prompt([int(t) for t in token_ids], images)
+        return self.runner.model.image_prompt([int(t) for t in token_ids], images, self.processor)
 
     def _image_prompt(self, prompt: dict):
         """A dict prompt -> (text or ids, its api.ImageInput or None)."""

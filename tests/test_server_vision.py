@@ -137,9 +137,19 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(serving.cli, "configure_compilation_cache", lambda option: None)
     args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 3, "video": 0}',
                                       "--allowed-media-domains", "upload.wikimedia.org", "example.com",
-                                      "--max-image-pixels", "1000000"])
+                                      "--max-image-pixels", "1000000",
+                                      "--mm-processor-kwargs", '{"max_pixels": 50000}'])
     with pytest.raises(Built) as e:
         args.func(args)
     kw = e.value.args[0]
     assert kw["limit_mm_per_prompt"] == {"image": 3, "video": 0} and kw["max_image_pixels"] == 1000000
     assert kw["allowed_media_domains"] == ["upload.wikimedia.org", "example.com"]
+    assert kw["mm_processor_kwargs"] == {"max_pixels": 50000}
+
+
+def test_a_bad_mm_processor_kwargs_flag_is_one_line_and_exit_2(capsys):
+    from flashnext_jax.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--mm-processor-kwargs", '{"fps": 2}'])
+    assert e.value.code == 2 and "fps not supported" in capsys.readouterr().err

@@ -199,6 +199,45 @@ def test_a_slow_tower_stalls_neither_the_event_loop_nor_other_streams(monkeypatc
         lm.engine.add_request("r", chat["prompt_token_ids"][:-1] + [0], GREEDY, images=encoded)
 
 
+def test_mm_processor_kwargs_set_the_resize_bounds_as_preprocessor_config_does(tmp_path):
+    """vLLM's mm_processor_kwargs: {"min_pixels": a, "max_pixels": b} (or transformers' "size") resize as a
+    checkpoint whose preprocessor_config.json says shortest_edge a, longest_edge b (the config transformers'
+    processor reads); fewer pixels, fewer image tokens; the request then runs. Other keys and bad values are
+    refused."""
+    import shutil
+
+    from flashnext_jax.vision_preprocess import load_processor_config
+
+    image = [Image.fromarray(REF["image/square"])]
+    ids = REF["chat/one_image/ids"]
+    one_pad = [int(t) for t in ids if t != PAD] + [PAD]  # the templated text with one <|image_pad|>
+    base = llm()
+    full_ids, _ = base.image_prompt(one_pad, image)
+    lo, hi = 256, 1024  # the 64 x 64 image (64 image tokens) resized to 32 x 32: 16 tokens
+    checkpoint = tmp_path / "small"
+    shutil.copytree(DEMO_MODEL, checkpoint)
+    config = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    config["size"] = {"shortest_edge": lo, "longest_edge": hi}
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps(config))
+    want = load_processor_config(checkpoint)
+    for kwargs in ({"min_pixels": lo, "max_pixels": hi}, {"size": {"shortest_edge": lo, "longest_edge": hi}}):
+        lm = llm(mm_processor_kwargs=kwargs)
+        assert lm.processor == want
+        small_ids, small = lm.image_prompt(one_pad, image)
+        assert small_ids.count(PAD) == 16 and full_ids.count(PAD) == 64
+        _, from_config = base.runner.model.image_prompt(one_pad, image, want)
+        np.testing.assert_array_equal(small.pixel_values, from_config.pixel_values)
+    (out,) = lm.generate({"prompt_token_ids": small_ids, "images": small}, GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens
+    for bad, needle in (({"fps": 2}, "fps not supported"), ({"max_pixels": 0}, "positive integer"),
+                        ({"min_pixels": 10**6, "max_pixels": 10**5}, "min_pixels"),
+                        ({"min_pixels": 1, "max_pixels": 4}, "one merged")):
+        with pytest.raises(ValueError, match=needle):
+            llm(mm_processor_kwargs=bad)
+    with pytest.raises(ValueError, match="takes no images"):
+        fj.LLM("toy", mm_processor_kwargs={"max_pixels": 10**5})
+
+
 def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
     lm = llm(enable_prefix_caching=True, block_size=16)
     first_pad = int(np.nonzero(REF["chat/one_image/ids"] == PAD)[0][0])
