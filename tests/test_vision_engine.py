@@ -238,6 +238,44 @@ def test_mm_processor_kwargs_set_the_resize_bounds_as_preprocessor_config_does(t
         fj.LLM("toy", mm_processor_kwargs={"max_pixels": 10**5})
 
 
+def test_an_image_seen_before_skips_the_tower_and_gives_the_same_run(monkeypatch):
+    """The encoder cache (request_images.EncoderCache, by image content): a chat resent with its images runs the
+    tower for none of them and gives the first run's tokens and logprobs bit for bit (the tower runs per image,
+    so cached rows are the rows a fresh run computes); other pixels miss; past its byte budget the least recently
+    used image goes."""
+    from flashnext_jax import request_images
+    from flashnext_jax.request_images import EncoderCache
+
+    lm = llm()
+    calls = []
+    real = request_images.bucketed_embeddings
+
+    def counted(tower, pixel_values, grid):
+        calls.append(tuple(map(tuple, grid.tolist())))
+        return real(tower, pixel_values, grid)
+    monkeypatch.setattr(request_images, "bucketed_embeddings", counted)
+    monkeypatch.setattr(lm.runner, "encoder_cache", EncoderCache(64 << 20))  # the runner is shared: a fresh one
+    (first,) = lm.generate(fixture_chat("two_images"), GREEDY)
+    assert len(calls) == 2  # one tower call per image
+    (again,) = lm.generate(fixture_chat("two_images"), GREEDY)
+    assert len(calls) == 2 and lm.runner.encoder_cache.stats["hits"] == 2
+    assert again.token_ids == first.token_ids and np.array_equal(logprobs(again), logprobs(first))
+    assert first.token_ids == REF["chat/two_images/generated"].tolist()
+    (square,) = lm.generate(other_image_chat(), GREEDY)  # two_images' first image in another prompt: a hit
+    assert len(calls) == 2 and same_run(square, solo("square", other_image_chat()))
+    (wide,) = lm.generate(fixture_chat("one_image"), GREEDY)  # new pixels: a miss
+    assert calls[2:] == [((1, 12, 30),)] and wide.token_ids == REF["chat/one_image/generated"].tolist()
+
+    rows = [np.zeros((4, 8), np.float32) for _ in range(3)]  # 128 bytes each
+    cache = EncoderCache(2 * 128)
+    cache.put(b"a", rows[0]), cache.put(b"b", rows[1])
+    assert cache.get(b"a") is rows[0]  # a is now the most recent
+    cache.put(b"c", rows[2])
+    assert cache.get(b"b") is None and cache.get(b"a") is rows[0] and cache.get(b"c") is rows[2]
+    assert cache.nbytes == 256
+    EncoderCache(0).put(b"a", rows[0])  # budget 0: nothing kept (a runner without a tower)
+
+
 def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
     lm = llm(enable_prefix_caching=True, block_size=16)
     first_pad = int(np.nonzero(REF["chat/one_image/ids"] == PAD)[0][0])
