@@ -188,14 +188,26 @@ class LLM:
         return with_processor_kwargs(tower.processor, kwargs)  # a ValueError names what is wrong
 
     # ---- requests
-    def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], Any]:
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence,
+                     mm_processor_kwargs: dict | None = None) -> tuple[list[int], Any]:
         """A templated prompt's ids with one <|image_pad|> per image + PIL images -> (the ids with each image's pads
         expanded, the preprocessed images: what `generate({"prompt_token_ids": ..., "images": ...})` takes), after
-        the image count and pixel limits (`self.media`)."""
+        the image count and pixel limits (`self.media`). mm_processor_kwargs: this prompt's resize bounds over the
+        engine's (vLLM's per-request field)."""
         self.media.check_count(len(images))
         for i, image in enumerate(images):
             self.media.check_size(image, f"image {i}")
-        return self.runner.model.image_prompt([int(t) for t in token_ids], images, self.processor)
+        processor = self.processor_for(mm_processor_kwargs)
+        return self.runner.model.image_prompt([int(t) for t in token_ids], images, processor)
+
+    def processor_for(self, mm_processor_kwargs: dict | None):
+        """The image processor config of a request with these mm_processor_kwargs (None: the engine's); a
+        ValueError names what is wrong, also for a model that takes no images."""
+        if mm_processor_kwargs is None:
+            return self.processor
+        from .vision_preprocess import with_processor_kwargs
+
+        return with_processor_kwargs(self.processor or self._processor({}), mm_processor_kwargs)
 
     def _image_prompt(self, prompt: dict):
         """A dict prompt -> (text or ids, its api.ImageInput or None)."""

@@ -94,6 +94,22 @@ def test_streamed_image_chat_equals_transformers(client):
     assert chunks[-1].usage.prompt_tokens == META["chats"]["one_image"]["n_tokens"]
 
 
+def test_mm_processor_kwargs_per_request_resize_its_images(client, base):
+    """vLLM's per-request mm_processor_kwargs: this request's images resized within its bounds (fewer pixels,
+    fewer image tokens, as usage and /tokenize count them); the next request without it gets the server's; a bad
+    one is a 400 naming it, with or without images."""
+    small = {"mm_processor_kwargs": {"min_pixels": 256, "max_pixels": 1024}}
+    full = META["chats"]["two_images"]["n_tokens"]
+    out = ask(client, openai_messages("two_images"), extra_body={"ignore_eos": True, **small})
+    counted = httpx.post(base + "/tokenize", json={"messages": openai_messages("two_images"), **small}).json()
+    assert out.usage.prompt_tokens == counted["count"] < full - 50 and out.usage.completion_tokens == 12
+    assert ask(client, openai_messages("two_images")).usage.prompt_tokens == full
+    for messages in (openai_messages("one_image"), [{"role": "user", "content": "hi"}]):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, messages, extra_body={"mm_processor_kwargs": {"fps": 2}})
+        assert "fps not supported" in e.value.body["message"]
+
+
 def test_tokenize_counts_each_image_as_its_expanded_pads(base):
     r = httpx.post(base + "/tokenize", json={"messages": openai_messages("two_images")})
     assert r.status_code == 200 and r.json()["tokens"] == REF["chat/two_images/ids"].tolist()
