@@ -88,7 +88,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
 
 
 class LLM:
-    def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
+    def __init__(self, model: Any = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
                  tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int | None = None,
@@ -97,7 +97,10 @@ class LLM:
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  limit_mm_per_prompt: dict | None = None, allowed_media_domains: Sequence[str] | None = None,
                  max_image_pixels: int | None = None, mm_processor_kwargs: dict | None = None, **engine_kwargs):
-        """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
+        """model: a checkpoint directory, a loaded `api.Model`, a ModelRunner, "toy" (the exact toy oracle of the
+        tests), or None: the embedded demo model (flashnext_jax/demo_model/).
+
+        vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
         a progress bar (Engine.precompile), prefill chunks cut to a few buckets (EngineConfig.prefill_buckets,
