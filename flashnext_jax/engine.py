@@ -1334,21 +1334,5 @@ class Engine:
         if self.dead is not None:
             raise EngineDeadError(f"engine failed earlier: {type(self.dead).__name__}: {self.dead}") from self.dead
 
-    # ---- introspection (tests, notebook)
-    def committed_state(self, request_id: str) -> dict[str, np.ndarray]:
-        """The committed per-slot leaves and page entries [0, num_computed) of a request, read via its slot."""
-        req = self.requests[request_id]
-        self.ledger.flush()
-        st = self.ledger.store
-        s = req.slot.slot
-        col = int(st.cursor[s])
-        out = {n: np.asarray(a[s, col]) for n, a in st.slot.items()}
-        ps = self.ledger.dims.page_size
-        for n, a in st.page.items():  # per token; a leaf of fewer rows per page: its complete entries
-            a = np.asarray(a)
-            per = ps // a.shape[1]
-            out[n] = np.array([a[req.pages[p * per // ps], p * per % ps // per] for p in range(req.num_computed // per)])
-        return out
-
     def usage(self) -> dict:
         return self.ledger.usage()

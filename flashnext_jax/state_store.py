@@ -488,9 +488,6 @@ class StoreLedger:
         assert info.gen == ref.gen and info.inflight > 0, (ref, info)
         info.inflight -= 1
 
-    def inflight(self, ref: SlotRef) -> int:
-        return self.slots[ref.slot].inflight
-
     def release_slot(self, ref: SlotRef):
         """Poison the slot and bump its generation; refused while an uncommitted ticket references it."""
         self.check(ref)
@@ -672,10 +669,6 @@ class StoreLedger:
         stores = self.store if self.staged else (self.store,)
         stores = tuple(one(st, inits) if held else st for st, inits, held in zip(stores, self._inits, self.held))
         self.store = stores if self.staged else stores[0]
-
-    def update(self, fn: Callable[[StateStore], StateStore]):
-        self.flush()
-        self.store = fn(self.store)
 
     def usage(self) -> dict:
         return {"slots_used": self.dims.num_slots - len(self.free_slots), "slots": self.dims.num_slots,
