@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gdn_reference as ref
+from pallas_kernels import gdn_reference
 from pallas_kernels.gdn_decode import recurrent_gated_delta_rule_slots_pallas
 from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_varlen_pallas
 
@@ -110,8 +110,8 @@ def time_jax_prefill(lens, tune, n_iter, check=False, stop=False):
     err = None
     if check:
         o, st = run(q, k, v, g, beta, box[0])
-        o_r, st_r = ref.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens=cu, state=state0, slots=slots,
-                                                      scale=SCALE, use_qk_l2norm=True, impl="reference")
+        o_r, st_r = gdn_reference.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens=cu, state=state0,
+                                                                slots=slots, scale=SCALE, use_qk_l2norm=True)
         err = (rel(o, o_r), rel(st, st_r))
         box[0] = st
 
@@ -204,8 +204,8 @@ def check_decode(B, T, tune):
     states, xs, slots, rc = decode_setup(1, B, T)
     q, k, v, g, beta = xs[0]
     s0 = jnp.array(states[0], copy=True)
-    o_r, st_r = ref.recurrent_gated_delta_rule_slots(q, k, v, g, beta, state=s0, slots=slots, read_col=rc,
-                                                     scale=SCALE, use_qk_l2norm=True, impl="reference")
+    o_r, st_r = gdn_reference.recurrent_gated_delta_rule_slots(q, k, v, g, beta, state=s0, slots=slots, read_col=rc,
+                                                               scale=SCALE, use_qk_l2norm=True)
     o, st = recurrent_gated_delta_rule_slots_pallas(q, k, v, g, beta, state=states[0], slots=slots, read_col=rc,
                                                     scale=SCALE, use_qk_l2norm=True, **tune)
     return rel(o, o_r), rel(st, st_r)

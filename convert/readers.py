@@ -26,6 +26,7 @@ from convert import spec as specmod
 from convert.errors import ConvertError
 from convert.ngram import as_table
 from convert.safetensors_io import TensorInfo, open_checkpoint_files
+from flashnext_jax.vision import vision_config, vision_tensor_shapes
 from convert.unpack import (awq_nibbles, bitstream, fp8_block_dequant, int4_plane_from_pairs,
                             words_to_bytes_along_rows)
 from pallas_kernels.quant_layout import PLANE_FORMATS, QuantizedWeight, pack
@@ -826,6 +827,32 @@ class Checkpoint:
                                    f"{list(want)}")
         elif self.ngram is not None:
             raise ConvertError(f"unexpected tensor {self.ngram.canonical} (no ple_layer_ids in config)")
+        self._validate_vision()
+
+    def _validate_vision(self) -> None:
+        """A checkpoint with a vision_config holds the tower it describes (names and shapes), or none at all (a
+        text-only conversion of a multimodal release): a tower that would fail only when `load()` builds it is
+        refused now, with every problem named. A vision_config the engine cannot read is left to `load()`, which
+        names what it lacks (the quantization fixtures carry a stand-in one beside a few vision tensors)."""
+        if not self.vision:
+            return
+        try:
+            cfg = vision_config(self.hf_config)
+        except ValueError:
+            return
+        if cfg is None:
+            return
+        expected, got = vision_tensor_shapes(cfg), {e.name: e for e in self.vision}
+        missing = [n for n in expected if n not in got]
+        unexpected = [f"{e.sources[0]} (canonical {n})" for n, e in got.items() if n not in expected]
+        wrong = [f"{n} is {list(e.shape)}, expected {list(expected[n])}" for n, e in got.items()
+                 if n in expected and tuple(e.shape) != expected[n]]
+        problems = [f"vision tower: {label} {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
+                    for label, items in (("missing tensor" + ("s" if len(missing) > 1 else ""), missing),
+                                         ("unexpected tensor" + ("s" if len(unexpected) > 1 else ""), unexpected),
+                                         ("shape mismatch:", wrong)) if items]
+        if problems:
+            raise ConvertError("; ".join(problems))
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         for e in self.entries:

@@ -128,16 +128,19 @@ class Model:
                      ple_rows=jnp.asarray(self.ple_rows(context, tokens, length), self.dtype))
 
     # ---- image input ------------------------------------------------------------------------------
-    def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], ImageInput]:
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence,
+                     processor=None) -> tuple[list[int], ImageInput]:
         """A templated prompt with one <|image_pad|> per image + PIL images -> (ids with the pads expanded, the
-        preprocessed images), as transformers' processor does."""
+        preprocessed images), as transformers' processor does. processor: a vision_preprocess.ImageProcessorConfig
+        instead of the checkpoint's (LLM's mm_processor_kwargs)."""
         from .vision_preprocess import expand_image_tokens, preprocess_images
 
         tower = self._tower()
-        if tower.processor is None:
+        processor = processor or tower.processor
+        if processor is None:
             raise ValueError("this checkpoint has no preprocessor_config.json")
-        pixel_values, grid = preprocess_images(list(images), tower.processor)
-        ids = expand_image_tokens(list(token_ids), grid, tower.image_token_id, tower.processor.merge_size)
+        pixel_values, grid = preprocess_images(list(images), processor)
+        ids = expand_image_tokens(list(token_ids), grid, tower.image_token_id, processor.merge_size)
         return ids, ImageInput(pixel_values, grid)
 
     def image_embeddings(self, images: ImageInput) -> jax.Array:

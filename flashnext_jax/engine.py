@@ -25,6 +25,7 @@ from . import sampling, token_kinds
 from .compile_ahead import CompileAhead, abstract
 from .step_cache import StepCache
 from .page_pool import device_memory, size_pool
+from .request_images import RequestImages, prompt_digest
 from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
                               sample_tokens)
 from .multihost import Agreement
@@ -789,8 +790,9 @@ class Engine:
     # ---- requests
     def add_request(self, request_id: str, prompt: Sequence[int], params: sampling.SamplingParams | None = None,
                     stop_checker=None, images=None) -> Request:
-        """images: the prompt's api.ImageInput (the prompt holds their expanded pads, api.Model.image_prompt); the
-        vision tower runs here, before the request's prefill, and its rows stay with the request."""
+        """images: the prompt's api.ImageInput (the prompt holds their expanded pads, api.Model.image_prompt), whose
+        vision tower runs here, or what `encode_images` made of them for this prompt; the rows stay with the
+        request."""
         self._alive()
         if request_id in self.requests and not self.requests[request_id].finished:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -809,9 +811,11 @@ class Engine:
             grammar = self.grammar_compiler.new_state(params.structured_outputs)  # ValueError: a bad spec
         req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
         if images is not None:
-            if not hasattr(self.runner, "encode_images"):
-                raise ValueError(f"request {request_id}: this model takes no images")
-            req.images = self.runner.encode_images(prompt, images)  # ValueError: pads and images disagree
+            if not isinstance(images, RequestImages):
+                images = self.encode_images(request_id, prompt, images)
+            elif images.prompt != prompt_digest(prompt):
+                raise ValueError(f"request {request_id}: its images were encoded for another prompt")
+            req.images = images
             req.slot_values = self.runner.image_slot_values(req.images)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt)  # entry 0 stays None: the first token has no context
@@ -822,6 +826,14 @@ class Engine:
         self.sched.add(req)
         self.requests[request_id] = req
         return req
+
+    def encode_images(self, request_id: str, prompt: Sequence[int], images) -> RequestImages:
+        """The vision tower over a prompt's images (api.ImageInput), for `add_request`. It reads the weights and
+        nothing of the engine's state, so a server calls it on a worker thread without the engine's lock: a large
+        image then stalls neither the event loop nor the steps of the requests in flight (llm.LLM.stream)."""
+        if not hasattr(self.runner, "encode_images"):
+            raise ValueError(f"request {request_id}: this model takes no images")
+        return self.runner.encode_images([int(t) for t in prompt], images)  # ValueError: pads and images disagree
 
     def abort(self, request_id: str):
         req = self.requests.get(request_id)
@@ -1321,22 +1333,6 @@ class Engine:
     def _alive(self):
         if self.dead is not None:
             raise EngineDeadError(f"engine failed earlier: {type(self.dead).__name__}: {self.dead}") from self.dead
-
-    # ---- introspection (tests, notebook)
-    def committed_state(self, request_id: str) -> dict[str, np.ndarray]:
-        """The committed per-slot leaves and page entries [0, num_computed) of a request, read via its slot."""
-        req = self.requests[request_id]
-        self.ledger.flush()
-        st = self.ledger.store
-        s = req.slot.slot
-        col = int(st.cursor[s])
-        out = {n: np.asarray(a[s, col]) for n, a in st.slot.items()}
-        ps = self.ledger.dims.page_size
-        for n, a in st.page.items():  # per token; a leaf of fewer rows per page: its complete entries
-            a = np.asarray(a)
-            per = ps // a.shape[1]
-            out[n] = np.array([a[req.pages[p * per // ps], p * per % ps // per] for p in range(req.num_computed // per)])
-        return out
 
     def usage(self) -> dict:
         return self.ledger.usage()

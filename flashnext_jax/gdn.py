@@ -32,8 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gdn_reference as gdn_kernels
-from pallas_kernels import fixed_order
+from pallas_kernels import fixed_order, gdn_kernels
 from pallas_kernels.kernel_switch import resolve_impl
 
 from .config import ModelConfig

@@ -88,7 +88,7 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
 
 
 class LLM:
-    def __init__(self, model: Any = "toy", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
+    def __init__(self, model: Any = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
                  page_size: int | None = None, speculative_config: dict | None = None, dtype: str = "bfloat16",
                  tokenizer: Tokenizer | None = None, num_snapshots: int = 64, pipeline_delay: int | None = None,
@@ -96,8 +96,11 @@ class LLM:
                  precompile_sampling: Sequence[SamplingParams] = (),
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  limit_mm_per_prompt: dict | None = None, allowed_media_domains: Sequence[str] | None = None,
-                 max_image_pixels: int | None = None, **engine_kwargs):
-        """vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
+                 max_image_pixels: int | None = None, mm_processor_kwargs: dict | None = None, **engine_kwargs):
+        """model: a checkpoint directory, a loaded `api.Model`, a ModelRunner, "toy" (the exact toy oracle of the
+        tests), or None: the embedded demo model (flashnext_jax/demo_model/).
+
+        vLLM's defaults for long prompts: chunks of up to max_num_batched_tokens = 8192 tokens, max_model_len =
         the model's max_position_embeddings, a KV page pool sized from the device memory left after the weights
         (gpu_memory_utilization; page_pool.py). precompile: compile the decode and prefill step shapes now, with
         a progress bar (Engine.precompile), prefill chunks cut to a few buckets (EngineConfig.prefill_buckets,
@@ -108,7 +111,9 @@ class LLM:
         with a vision tower, docs/vision.md), as vLLM's: limit_mm_per_prompt={"image": N} images per prompt at most
         (default: RealRunner's 8 image slots), allowed_media_domains: hosts http(s) image URLs may be fetched from
         (default: none, data: URLs only); max_image_pixels: of one image as decoded (default: Pillow's
-        decompression-bomb threshold, 89,478,485). engine_kwargs: further EngineConfig fields, e.g.
+        decompression-bomb threshold, 89,478,485); mm_processor_kwargs: the image processor's resize bounds instead
+        of preprocessor_config.json's, {"min_pixels": .., "max_pixels": ..} (or transformers' "size"), as vLLM's
+        (an image's tokens grow with its pixels). engine_kwargs: further EngineConfig fields, e.g.
         qsa_kv_offload=True: the QSA K/V pages in pinned host memory (docs/long-context.md)."""
         k = 0
         if speculative_config:
@@ -141,6 +146,7 @@ class LLM:
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
         self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
+        self.processor = self._processor(mm_processor_kwargs)
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         self.runner = self.engine.runner  # qsa_kv_offload=True: the runner with its K/V in host memory
@@ -173,15 +179,38 @@ class LLM:
                            max_pixels=max_pixels or DEFAULT_MAX_IMAGE_PIXELS,
                            allowed_domains=frozenset(d.lower() for d in domains or ()))
 
+    def _processor(self, kwargs: dict | None):
+        """The image processor config mm_processor_kwargs makes (None: the checkpoint's)."""
+        if kwargs is None:
+            return None
+        tower = getattr(getattr(self.runner, "model", None), "vision", None)
+        if self.media.refusal is not None or tower is None or tower.processor is None:
+            raise ValueError("mm_processor_kwargs: this model takes no images")
+        from .vision_preprocess import with_processor_kwargs
+
+        return with_processor_kwargs(tower.processor, kwargs)  # a ValueError names what is wrong
+
     # ---- requests
-    def image_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], Any]:
+    def image_prompt(self, token_ids: Sequence[int], images: Sequence,
+                     mm_processor_kwargs: dict | None = None) -> tuple[list[int], Any]:
         """A templated prompt's ids with one <|image_pad|> per image + PIL images -> (the ids with each image's pads
         expanded, the preprocessed images: what `generate({"prompt_token_ids": ..., "images": ...})` takes), after
-        the image count and pixel limits (`self.media`)."""
+        the image count and pixel limits (`self.media`). mm_processor_kwargs: this prompt's resize bounds over the
+        engine's (vLLM's per-request field)."""
         self.media.check_count(len(images))
         for i, image in enumerate(images):
             self.media.check_size(image, f"image {i}")
-        return self.runner.model.image_prompt([int(t) for t in token_ids], images)
+        processor = self.processor_for(mm_processor_kwargs)
+        return self.runner.model.image_prompt([int(t) for t in token_ids], images, processor)
+
+    def processor_for(self, mm_processor_kwargs: dict | None):
+        """The image processor config of a request with these mm_processor_kwargs (None: the engine's); a
+        ValueError names what is wrong, also for a model that takes no images."""
+        if mm_processor_kwargs is None:
+            return self.processor
+        from .vision_preprocess import with_processor_kwargs
+
+        return with_processor_kwargs(self.processor or self._processor({}), mm_processor_kwargs)
 
     def _image_prompt(self, prompt: dict):
         """A dict prompt -> (text or ids, its api.ImageInput or None)."""
@@ -228,6 +257,8 @@ class LLM:
         self._prompts[rid] = text
         self._emitted[rid] = (0, 0)
         try:
+            if images is not None:  # the tower, without the engine's lock: steps in flight go on meanwhile
+                images = self.engine.encode_images(rid, ids, images)
             with self._lock:
                 return self.engine.add_request(rid, ids, params, stop_checker=checker, images=images)
         except ValueError:  # refused (a bad grammar, ...): keep nothing of it
@@ -330,10 +361,26 @@ class LLM:
     async def stream(self, prompt, params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput (cumulative text/token_ids plus deltas) each time the request gets tokens.
-        A consumer that stops iterating aborts the request."""
-        req = self._add(prompt, params or SamplingParams(), request_id)
+        A consumer that stops iterating aborts the request.
+
+        The request is added on a worker thread: tokenizing a long prompt and running the vision tower over its
+        images would otherwise hold the event loop (every other stream's tokens, new connections) for their
+        time. Its queue is registered first, so the steps that run meanwhile cannot finish it unseen."""
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = q
+        self._streams[rid] = q
+        add = asyncio.get_running_loop().run_in_executor(None, self._add, prompt, params or SamplingParams(), rid)
+        try:
+            req = await asyncio.shield(add)
+        except asyncio.CancelledError:  # the caller left while the request was being added: drop it once it is
+            self._streams.pop(rid, None)
+            add.add_done_callback(lambda done: done.exception() is None and self._drop(done.result()))
+            raise
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         try:
@@ -346,10 +393,14 @@ class LLM:
                     return
         finally:
             self._streams.pop(req.request_id, None)
-            if not req.finished:
-                with self._lock:
-                    self.engine.abort(req.request_id)
-            self._forget(req.request_id)
+            self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        """A request whose caller is gone: aborted if unfinished, and forgotten."""
+        if not req.finished:
+            with self._lock:
+                self.engine.abort(req.request_id)
+        self._forget(req.request_id)
 
     async def _run(self):
         loop = asyncio.get_running_loop()

@@ -32,7 +32,7 @@ import numpy as np
 
 from .gdn import CHUNK as GDN_CHUNK, StoreRecState, uses_kernels
 from .mrope import SpanRope
-from .request_images import encode_images
+from .request_images import EncoderCache, encode_images
 from .model import decoder_stack, embed_hyper, final_logits, layer_counts
 from . import mtp_paged
 from .mtp import mtp_forward
@@ -78,7 +78,7 @@ class RealRunner:
 
     def __init__(self, model, num_speculative_tokens: int = 0, max_model_len: int | None = None,
                  paged_qsa: bool = True, qsa_score_elements: int = SCORE_TILE_ELEMENTS, max_images_per_prompt: int = 8,
-                 paged_mtp: bool = True):
+                 paged_mtp: bool = True, encoder_cache_bytes: int = 512 << 20):
         cfg = model.cfg
         if num_speculative_tokens and not model.has_mtp:
             raise ValueError("speculative decoding needs MTP tensors; this checkpoint has none")
@@ -112,6 +112,8 @@ class RealRunner:
         self.prefill_align = GDN_CHUNK if self.n_gdn else 1
         # image prompts (a checkpoint with a vision tower): each slot holds its request's image spans
         self.max_images = int(max_images_per_prompt) if getattr(model, "vision", None) is not None else 0
+        # the tower's rows of recent images by content (request_images.EncoderCache): a chat's images run once
+        self.encoder_cache = EncoderCache(encoder_cache_bytes if self.max_images else 0)
         self.qsa_kv_offload = False  # the QSA K/V pages in pinned host memory (with_qsa_kv_offload)
 
     def with_qsa_kv_offload(self) -> "RealRunner":
@@ -182,7 +184,7 @@ class RealRunner:
         request's prefill -> request_images.RequestImages."""
         if not self.max_images:
             raise ValueError("this checkpoint has no vision tower (model.visual.* and vision_config)")
-        return encode_images(self.model.vision, prompt, images, self.dtype, self.max_images)
+        return encode_images(self.model.vision, prompt, images, self.dtype, self.max_images, self.encoder_cache)
 
     def image_slot_values(self, images) -> dict[str, np.ndarray]:
         """What the ledger writes into an image request's slot when it is allocated: its spans (mrope.SpanRope)."""

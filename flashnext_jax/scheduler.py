@@ -134,7 +134,6 @@ class Scheduler:
         self.cfg, self.ledger = cfg, ledger
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._arrivals = 0
 
     # ---- admission control
     def add(self, req: Request):

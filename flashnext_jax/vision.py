@@ -67,6 +67,27 @@ def vision_config(hf: dict) -> VisionConfig | None:
                         rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
+def vision_tensor_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tower, by canonical name (`visual.*`, as convert.read_vision names them), and its shape
+    as transformers stores it: what a checkpoint with this vision_config must hold (the converter checks it)."""
+    d, i, o, m2 = cfg.hidden_size, cfg.intermediate_size, cfg.out_hidden_size, cfg.spatial_merge_size ** 2
+    shapes = {"visual.patch_embed.proj.weight": (d, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                                 cfg.patch_size),
+              "visual.patch_embed.proj.bias": (d,),
+              "visual.pos_embed.weight": (cfg.num_position_embeddings, d),
+              "visual.merger.norm.weight": (d,), "visual.merger.norm.bias": (d,),
+              "visual.merger.linear_fc1.weight": (d * m2, d * m2), "visual.merger.linear_fc1.bias": (d * m2,),
+              "visual.merger.linear_fc2.weight": (o, d * m2), "visual.merger.linear_fc2.bias": (o,)}
+    for b in range(cfg.depth):
+        for name, shape in (("norm1.weight", (d,)), ("norm1.bias", (d,)), ("norm2.weight", (d,)), ("norm2.bias", (d,)),
+                            ("attn.qkv.weight", (3 * d, d)), ("attn.qkv.bias", (3 * d,)),
+                            ("attn.proj.weight", (d, d)), ("attn.proj.bias", (d,)),
+                            ("mlp.linear_fc1.weight", (i, d)), ("mlp.linear_fc1.bias", (i,)),
+                            ("mlp.linear_fc2.weight", (d, i)), ("mlp.linear_fc2.bias", (d,))):
+            shapes[f"visual.blocks.{b}.{name}"] = shape
+    return shapes
+
+
 def load_vision_params(path: str | Path, dtype) -> tuple[VisionConfig, dict] | None:
     """(config, params) of a checkpoint's vision tower (`model.visual.*` of an HF directory, the "vision" group of a
     converted one: `convert.read_vision`), or None when it has none."""

@@ -85,6 +85,35 @@ def load_processor_config(path: str | Path) -> ImageProcessorConfig:
     return processor_config(json.loads((path / "preprocessor_config.json").read_text()), hf["vision_config"])
 
 
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels", "size")  # what mm_processor_kwargs may set (vLLM's names)
+
+
+def with_processor_kwargs(cfg: ImageProcessorConfig, kwargs: dict) -> ImageProcessorConfig:
+    """The config with vLLM's `mm_processor_kwargs` applied: the resize bounds `min_pixels` / `max_pixels`, or
+    transformers' `size` {"shortest_edge": min, "longest_edge": max}. Anything else is refused (not ignored)."""
+    if not isinstance(kwargs, dict):
+        raise PreprocessError(f"mm_processor_kwargs must be a JSON object, got {kwargs!r}")
+    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
+    if unknown:
+        raise PreprocessError(f"mm_processor_kwargs: {', '.join(unknown)} not supported (supported: "
+                              f"{', '.join(PROCESSOR_KWARGS)})")
+    size = kwargs.get("size") or {}
+    if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
+        raise PreprocessError(f"mm_processor_kwargs: size takes shortest_edge and longest_edge, got {size!r}")
+    bounds = {"min_pixels": kwargs.get("min_pixels", size.get("shortest_edge", cfg.min_pixels)),
+              "max_pixels": kwargs.get("max_pixels", size.get("longest_edge", cfg.max_pixels))}
+    for name, value in bounds.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PreprocessError(f"mm_processor_kwargs: {name} must be a positive integer, got {value!r}")
+    if bounds["min_pixels"] > bounds["max_pixels"]:
+        raise PreprocessError(f"mm_processor_kwargs: min_pixels {bounds['min_pixels']} > max_pixels "
+                              f"{bounds['max_pixels']}")
+    if bounds["max_pixels"] < cfg.factor ** 2:
+        raise PreprocessError(f"mm_processor_kwargs: max_pixels {bounds['max_pixels']} is below one merged patch "
+                              f"({cfg.factor} x {cfg.factor} pixels)")
+    return dataclasses.replace(cfg, **bounds)
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, aspect ratio kept as closely as possible, pixels in range."""
     if max(height, width) / min(height, width) > 200:

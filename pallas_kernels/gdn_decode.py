@@ -1,6 +1,6 @@
 """Pallas (Triton backend) recurrent gated delta rule for decode / MTP verify with slot-indexed checkpoints.
 
-State layout (see gdn_reference and docs/kernels-gdn.md): state [num_slots, K1, Hv, Dk, Dv] fp32 viewed flat as
+State layout (see gdn_layout and docs/kernels-gdn.md): state [num_slots, K1, Hv, Dk, Dv] fp32 viewed flat as
 [num_slots*K1, Hv, Dk, Dv]; a row reads column read_col[b] of slot slots[b] and writes the state after its
 token t to column t of the same slot (or to column write_cols[b, t], none where it is < 0), in place
 (input_output_aliases). Rows with slot < 0 are padding: their state blocks are never stored (o = 0).
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gdn_reference import L2_EPS, flat_state, slot_rows
+from pallas_kernels.gdn_layout import L2_EPS, flat_state, slot_rows
 
 try:  # Triton-backend compiler params (GPU); unused in interpret mode
     from jax.experimental.pallas import triton as pltriton

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gdn_reference import CHUNK, L2_EPS, flat_state, slot_rows, varlen_chunk_layout
+from pallas_kernels.gdn_layout import CHUNK, L2_EPS, flat_state, slot_rows, varlen_chunk_layout
 
 try:
     from jax.experimental.pallas import triton as pltriton

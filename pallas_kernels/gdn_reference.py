@@ -7,13 +7,8 @@ Per token, with an fp32 state S [Hv, Dk, Dv]:
 Optional L2 norm of q and k (x * rsqrt(sum x^2 + 1e-6)) before scaling. All math in fp32; o is returned in
 v.dtype.
 
-State layout shared with the Pallas kernels (docs/kernels-gdn.md):
-  * state array [num_slots, K1, Hv, Dk, Dv] fp32, K1 = num_spec + 1 checkpoint columns per slot
-    (a 4-D [num_slots, Hv, Dk, Dv] array is accepted as K1 = 1);
-  * prefill reads column read_col[n] (default 0) of slot slots[n] and writes the final state to column 0;
-  * decode of T tokens (1 <= T <= K1) reads column read_col[b] and writes the state after token t to column t;
-  * a slot < 0 marks a padding row / sequence: never read, never written (its outputs are zeros).
-The flat view [num_slots * K1, Hv, Dk, Dv] (a free reshape) addresses row slot * K1 + col.
+The slot-indexed forms use the state layout of gdn_layout, shared with the Pallas kernels. These functions
+define the kernels' contracts; gdn_kernels runs one or the other behind the kernel switch.
 """
 
 from __future__ import annotations
@@ -21,19 +16,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-CHUNK = 64
-L2_EPS = 1e-6
+from pallas_kernels.gdn_layout import CHUNK, L2_EPS, flat_state, slot_rows, varlen_chunk_layout
 
 __all__ = [
-    "CHUNK",
     "l2norm",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_slots",
-    "flat_state",
-    "slot_rows",
-    "varlen_chunk_layout",
 ]
 
 
@@ -141,20 +131,12 @@ def _chunk_step(S, qh, kh, gcum, w, u, Aqk):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=True,
-                           use_qk_l2norm=False, impl=None, chunk_size=CHUNK):
+                           use_qk_l2norm=False, chunk_size=CHUNK):
     """Chunked (WY) gated delta rule for a batch of equal-length (or right-padded) sequences.
 
     q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; g, beta [B,T,Hv]; initial_state [B,Hv,Dk,Dv] fp32 or None (zeros).
     Returns (o [B,T,Hv,Dv] in v.dtype, final_state [B,Hv,Dk,Dv] fp32 or None). Right padding with
-    g = beta = 0 (and any k) leaves the state unchanged. `impl` selects the Pallas kernel
-    (pallas_kernels.kernel_switch); this function is the reference path."""
-    from pallas_kernels.kernel_switch import resolve_impl
-    mode = resolve_impl(impl)
-    if mode != "reference":
-        from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_pallas
-        return chunk_gated_delta_rule_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                             output_final_state=output_final_state,
-                                             use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"))
+    g = beta = 0 (and any k) leaves the state unchanged."""
     B, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     C = chunk_size
     qf, kf = _prep_qk(q, k, Hv, scale, use_qk_l2norm)
@@ -179,72 +161,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, outpu
 
 
 # ----------------------------------------------------------------------------------------------------------
-# slot-indexed state helpers
+# slot-indexed forms (state layout: gdn_layout)
 # ----------------------------------------------------------------------------------------------------------
-def flat_state(state, layer=None):
-    """Flat row view of a slot-indexed state array: (flat [rows, Hv, Dk, Dv], K1, col_stride, offset, unflatten).
-
-    [num_slots, K1, Hv, Dk, Dv] (4-D: K1 = 1) -> row slot * K1 + col. With `layer` (a static int) the array is
-    the engine store's leaf [num_slots, K1, L, Hv, Dk, Dv] holding every GDN layer (state_store layout) and the
-    row of (slot, col) is (slot * K1 + col) * L + layer: the kernels address the store in place, no gather."""
-    if layer is not None:
-        if state.ndim != 6:
-            raise ValueError(f"layer= needs a [num_slots, K1, L, Hv, Dk, Dv] state, got shape {state.shape}")
-        ns, k1, n_layers = state.shape[:3]
-        if not 0 <= layer < n_layers:
-            raise ValueError(f"layer {layer} out of range for {n_layers} layers")
-        shape = state.shape
-        return (state.reshape((ns * k1 * n_layers,) + shape[3:]), k1, n_layers, int(layer),
-                lambda s: s.reshape(shape))
-    if state.ndim == 4:
-        return state, 1, 1, 0, (lambda s: s)
-    ns, k1 = state.shape[:2]
-    shape = state.shape
-    return state.reshape((ns * k1,) + shape[2:]), k1, 1, 0, (lambda s: s.reshape(shape))
-
-
-def slot_rows(slots, read_col, n, k1, stride=1, offset=0):
-    """(slots int32, row of each slot's read column, row of its column 0) in a flat_state view; a row's column
-    c lives at row0 + c * stride."""
-    slots = slots.astype(jnp.int32)
-    rc = jnp.zeros((n,), jnp.int32) if read_col is None else read_col.astype(jnp.int32)
-    return slots, (slots * k1 + rc) * stride + offset, slots * k1 * stride + offset
-
-
-def varlen_chunk_layout(cu_seqlens, total_tokens, chunk_size=CHUNK):
-    """Chunk-aligned layout of packed sequences (each sequence starts on a chunk boundary).
-
-    Returns a dict of int32 arrays: NC (static number of aligned chunks = cdiv(T, C) + N),
-    chunk_seq [NC] (sequence of each aligned chunk, N for unused chunks), chunk_tok0 [NC] (packed index of
-    its first token), chunk_len [NC] (valid tokens, 0 for unused), chunk_first / chunk_last [NC] bool,
-    tok_pos [T] (aligned position of each packed token)."""
-    C = chunk_size
-    cu = cu_seqlens.astype(jnp.int32)
-    N = cu.shape[0] - 1
-    T = total_tokens
-    NC = -(-T // C) + N
-    lens = cu[1:] - cu[:-1]
-    nch = (lens + C - 1) // C
-    ch0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])  # [N+1]
-    c = jnp.arange(NC, dtype=jnp.int32)
-    seq = (jnp.searchsorted(ch0[1:], c, side="right")).astype(jnp.int32)  # first n with ch0[n+1] > c
-    seq_c = jnp.minimum(seq, N - 1)
-    local = c - ch0[seq_c]
-    valid = seq < N
-    tok0 = cu[seq_c] + local * C
-    clen = jnp.where(valid, jnp.clip(lens[seq_c] - local * C, 0, C), 0)
-    first = valid & (local == 0)
-    last = valid & (local == nch[seq_c] - 1)
-    t = jnp.arange(T, dtype=jnp.int32)
-    tseq = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1, 0, N - 1)
-    tok_pos = ch0[tseq] * C + (t - cu[tseq])
-    return dict(NC=NC, chunk_seq=jnp.where(valid, seq, N), chunk_tok0=tok0, chunk_len=clen,
-                chunk_first=first, chunk_last=last, tok_pos=tok_pos)
-
-
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots, scale, read_col=None,
-                                  has_initial_state=None, use_qk_l2norm=False, impl=None, chunk_size=CHUNK,
-                                  layer=None):
+                                  has_initial_state=None, use_qk_l2norm=False, chunk_size=CHUNK, layer=None):
     """Varlen chunked prefill with slot-indexed states.
 
     q, k [1,T,Hk,Dk]; v [1,T,Hv,Dv]; g, beta [1,T,Hv] hold N sequences packed back to back,
@@ -254,16 +174,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
     has_initial_state [N] bool (default True): False starts from zeros without reading the slot.
     The final state of sequence n goes to column 0 of slot slots[n]; other slots/columns are untouched.
     layer (static int): state is the store's [num_slots, K1, L, Hv, Dk, Dv] leaf and only layer `layer` is read
-    and written (flat_state). Returns (o [1,T,Hv,Dv] in v.dtype, new state array). The Pallas path updates it
-    in place."""
-    from pallas_kernels.kernel_switch import resolve_impl
-    mode = resolve_impl(impl)
-    if mode != "reference":
-        from pallas_kernels.gdn_prefill import chunk_gated_delta_rule_varlen_pallas
-        return chunk_gated_delta_rule_varlen_pallas(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, state=state, slots=slots, scale=scale, read_col=read_col,
-            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"),
-            layer=layer)
+    and written (flat_state). Returns (o [1,T,Hv,Dv] in v.dtype, new state array)."""
     _, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     C = chunk_size
     N = cu_seqlens.shape[0] - 1
@@ -311,8 +222,7 @@ def chunk_gated_delta_rule_varlen(q, k, v, g, beta, *, cu_seqlens, state, slots,
 
 
 def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, read_col=None,
-                                     use_qk_l2norm=False, impl=None, layer=None, write_cols=None, block_v=None,
-                                     num_warps=None, lengths=None):
+                                     use_qk_l2norm=False, layer=None, write_cols=None):
     """Decode / MTP verify of T tokens per row (T static, 1 <= T <= K1) with checkpointed slot states.
 
     q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; g, beta [B,T,Hv]; state [num_slots, K1, Hv, Dk, Dv] fp32 (4-D = K1 1,
@@ -321,17 +231,7 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, *, state, slots, scale, r
     Writes the state after token t to column t of the row's slot, or with write_cols [B, T] int32 to column
     write_cols[b, t] (not at all where < 0; then T may exceed K1: a window of tokens of which only some end at a
     checkpoint). layer: as in chunk_gated_delta_rule_varlen (the store's all-layer leaf, addressed in place).
-    block_v / num_warps / lengths: the kernel's layout and per-row token counts (recurrent_gated_delta_rule_slots_
-    pallas; tokens past lengths[b] must then be identities, g = beta = 0, and their outputs are unspecified).
     Returns (o [B,T,Hv,Dv], new state)."""
-    from pallas_kernels.kernel_switch import resolve_impl
-    mode = resolve_impl(impl)
-    if mode != "reference":
-        from pallas_kernels.gdn_decode import recurrent_gated_delta_rule_slots_pallas
-        return recurrent_gated_delta_rule_slots_pallas(
-            q, k, v, g, beta, state=state, slots=slots, scale=scale, read_col=read_col,
-            use_qk_l2norm=use_qk_l2norm, interpret=(mode == "interpret"), layer=layer, write_cols=write_cols,
-            block_v=block_v, num_warps=num_warps, lengths=lengths)
     B, T, Hk, Dk, Hv, Dv = _check(q, k, v, g, beta)
     flat, k1, stride, offset, unflat = flat_state(state, layer)
     if write_cols is None:

@@ -66,9 +66,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fixed_order
+from pallas_kernels.kernel_switch import resolve_impl
 from pallas_kernels.quant_gemv import GEMV_FIELDS, _splits_for, gemv_accumulate, gemv_call_options, gemv_layout
-from pallas_kernels.quant_layout import (LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, resolve_impl,
-                                         unstacked)
+from pallas_kernels.quant_layout import LayerSlice, QuantizedWeight, dequantize, is_pow2, pow2_divisor, unstacked
 from pallas_kernels.quant_matmul import _plane_slots, group_dot, pl_triton
 
 

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import fixed_order
 from pallas_kernels import qsa_sparse_reference as ref
-from pallas_kernels.quant_layout import resolve_impl
+from pallas_kernels.kernel_switch import resolve_impl
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:

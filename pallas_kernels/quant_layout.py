@@ -32,7 +32,6 @@ Constraints: K % G == 0; G % r == 0 for every plane (G % 2 for int4, G % 4 for i
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -297,32 +296,6 @@ def quantize_rtn(w: np.ndarray, bits: int, group_size: int, scale_dtype=np.float
     s32 = np.asarray(scale, np.float32)
     q = np.clip(np.rint(wg / s32[..., None, :]), -qmax, qmax - 1).astype(np.int8)
     return pack(q.reshape(w.shape), scale, bits, group_size)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The kernel switch: Pallas kernels on GPU, pure-JAX references elsewhere.
-
-IMPLS = ("auto", "pallas", "interpret", "reference")
-ENV_VAR = "FLASHNEXT_KERNELS"
-
-
-def resolve_impl(impl: str | None = None, gpu_auto: str = "pallas") -> str:
-    """Returns 'pallas', 'interpret' or 'reference'.
-
-    impl (argument) overrides the FLASHNEXT_KERNELS environment variable, which defaults to 'auto':
-    'auto' -> `gpu_auto` ('pallas'; 'reference' for a kernel measured slower than its reference) when the default
-    backend is a GPU, else 'reference'. 'interpret' runs the Pallas kernels in interpret mode (CPU tests)."""
-    choice = impl if impl is not None else os.environ.get(ENV_VAR, "auto")
-    if choice not in IMPLS:
-        raise ValueError(f"kernel impl must be one of {IMPLS} (argument or ${ENV_VAR}), got {choice!r}")
-    if choice == "auto":
-        return gpu_auto if jax.default_backend() == "gpu" else "reference"
-    return choice
-
-
-def use_pallas(impl: str | None = None) -> bool:
-    """True when the Pallas kernel (compiled or interpreted) should run instead of the reference."""
-    return resolve_impl(impl) != "reference"
 
 
 def pow2_divisor(n: int, cap: int) -> int:

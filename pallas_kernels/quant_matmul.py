@@ -46,11 +46,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fixed_order
+from pallas_kernels.kernel_switch import resolve_impl
 from pallas_kernels.quant_gemv import (GEMV_MAX_M, GemvConfig, check_gemv_config, check_gemv_shape,  # noqa: F401
                                        default_gemv_config, quant_matmul_gemv, quant_matmul_gemv_fixed)
 from pallas_kernels.quant_layout import (PLANE_FORMATS, LayerSlice, QuantizedWeight, check_dense_operands, dequantize,
-                                         kernel_operands, pow2_divisor, resolve_impl, unstacked,
-                                         weight_spec)
+                                         kernel_operands, pow2_divisor, unstacked, weight_spec)
 
 try:  # the Triton compiler params; absent or unused in interpret mode
     from jax.experimental.pallas import triton as pl_triton

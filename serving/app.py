@@ -91,12 +91,14 @@ class _Server:
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
 
-    def image_prompt(self, ids: list[int], images: list) -> list[int] | dict:
+    def image_prompt(self, ids: list[int], images: list, processor_kwargs: dict | None = None) -> list[int] | dict:
         """A rendered prompt's ids and its decoded images -> what the engine takes: the ids alone without images,
-        else the ids with each image's pads expanded and the preprocessed images (`LLM.image_prompt`)."""
+        else the ids with each image's pads expanded and the preprocessed images (`LLM.image_prompt`, with the
+        request's mm_processor_kwargs over the server's)."""
         if not images:
+            self.llm.processor_for(processor_kwargs)  # checked all the same: a bad field is a 400, not ignored
             return ids
-        ids, processed = self.llm.image_prompt(ids, images)
+        ids, processed = self.llm.image_prompt(ids, images, processor_kwargs)
         return {"prompt_token_ids": ids, "images": processed}
 
     def max_tokens(self, num_prompt: int, requested: int | None) -> int:
@@ -216,7 +218,8 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
             text = server.render_chat(messages, body.add_generation_prompt)
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         if images:  # the count the engine sees: each image's pads expanded
-            ids = (await asyncio.to_thread(server.image_prompt, ids, images))["prompt_token_ids"]
+            ids = (await asyncio.to_thread(server.image_prompt, ids, images,
+                                           body.mm_processor_kwargs))["prompt_token_ids"]
         strs = [tokenizer.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -240,7 +243,8 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
         text, shaper, forced = prepare_chat(
             body, lambda kwargs: server.render_chat(messages, body.add_generation_prompt, kwargs),
             tool_call_parser, reasoning_parser)
-        prompt = await asyncio.to_thread(server.image_prompt, server.encode(text), images)  # resizes, patches
+        prompt = await asyncio.to_thread(server.image_prompt, server.encode(text), images,  # resizes, patches
+                                         body.mm_processor_kwargs)
         return await Generation(server, body, [prompt], chat=True, shaper=shaper, forced_grammar=forced).respond()
 
     return app

@@ -104,6 +104,10 @@ def add_serve_parser(sub, parents=()) -> None:
     p.add_argument("--max-image-pixels", type=int, default=None,
                    help="pixels of one image as decoded, before the processor resizes it; larger images are a 400 "
                         "(default: Pillow's decompression-bomb threshold, 89,478,485; not a vLLM flag)")
+    p.add_argument("--mm-processor-kwargs", type=_processor_kwargs, default=None,
+                   help='the image processor\'s resize bounds instead of preprocessor_config.json\'s, as JSON: '
+                        '\'{"max_pixels": 1003520}\' (min_pixels, max_pixels, or "size": {"shortest_edge", '
+                        '"longest_edge"}); fewer pixels, fewer image tokens')
     add_pipeline_arguments(p)
     multihost.add_process_arguments(p)
     add_qsa_kv_offload_flag(p)
@@ -130,6 +134,17 @@ def _mm_limits(text: str) -> dict:
         image_limit(value)  # checked now, not after the model has loaded
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _processor_kwargs(text: str) -> dict:
+    from flashnext_jax.vision_preprocess import PROCESSOR_KWARGS
+
+    value = _json_object(text)
+    unknown = sorted(set(value) - set(PROCESSOR_KWARGS))
+    if unknown:  # the values are checked against the model's processor once it has loaded
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)} not supported (supported: "
+                                         f"{', '.join(PROCESSOR_KWARGS)})")
     return value
 
 
@@ -229,7 +244,8 @@ def serve(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
               precompile_sampling=[default_sampling(defaults)], limit_mm_per_prompt=args.limit_mm_per_prompt,
               allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels,
-              batch_invariant=args.batch_invariant, qsa_kv_offload=args.qsa_kv_offload,
+              mm_processor_kwargs=args.mm_processor_kwargs, batch_invariant=args.batch_invariant,
+              qsa_kv_offload=args.qsa_kv_offload,
               async_scheduling=args.async_scheduling, **pipeline_kwargs(args),
               **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:

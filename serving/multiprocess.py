@@ -109,6 +109,9 @@ class Leader:
     def __getattr__(self, name):  # the engine's other attributes (cfg, requests, usage, ...)
         return getattr(self._engine, name)
 
+    def encode_images(self, request_id, prompt, images):
+        raise ValueError("images are not served across processes")
+
     def add_request(self, request_id, prompt, params=None, stop_checker=None, images=None):
         if images is not None:  # pipeline stages take none (docs/vision.md); they would not cross as JSON either
             raise ValueError("images are not served across processes")

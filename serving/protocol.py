@@ -202,6 +202,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, for the chat template
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: the image processor's resize bounds, this request
     tools: list[dict[str, Any]] | None = None  # serving/chat_features.py (needs --tool-call-parser)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -223,6 +224,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None  # as the chat request's, so that the counts agree
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -411,6 +411,29 @@ def test_converted_demo_model_keeps_its_vision_tower_and_load_finds_it(tmp_path)
     np.testing.assert_array_equal(ours.logits(ids, images), hf.logits(ids, images))
 
 
+def test_a_vision_tower_unlike_its_vision_config_is_refused_before_anything_is_written(tmp_path):
+    """The demo model's tower, written by transformers (tools/make_fixtures.py), is exactly the set
+    `vision.vision_tensor_shapes` derives from its vision_config; a config that disagrees with the tensors is a
+    ConvertError naming every problem, and nothing is written (before: the conversion passed and load() failed)."""
+    from convert import read_vision
+    from flashnext_jax.api import DEMO_MODEL
+    from flashnext_jax.vision import vision_config, vision_tensor_shapes
+
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    assert {n: tuple(a.shape) for n, a in read_vision(str(DEMO_MODEL)).items()} == \
+        vision_tensor_shapes(vision_config(config))
+    for i, (change, needle) in enumerate((
+            ({"depth": 2}, "vision tower: missing tensors visual.blocks.1."),
+            ({"depth": 0}, "vision tower: unexpected tensors model.visual.blocks.0."),
+            ({"intermediate_size": 48}, "shape mismatch: visual.blocks.0.mlp.linear_fc1.bias is [64], expected [48]"))):
+        src, dst = tmp_path / f"src{i}", tmp_path / f"out{i}"
+        shutil.copytree(DEMO_MODEL, src)
+        (src / "config.json").write_text(json.dumps({**config, "vision_config": {**config["vision_config"], **change}}))
+        with pytest.raises(ConvertError, match=re.escape(needle)):
+            convert(str(src), str(dst), progress=False)
+        assert not dst.exists()
+
+
 def test_block_fp8_vision_linear_is_dequantised_like_the_text_model(tmp_path):
     """A block-FP8 source's vision linear becomes bf16(fp8 * scale_inv) (our tower has no FP8 path); its bias, a
     plain tensor, stays as stored."""

@@ -2,7 +2,7 @@
 
 On the kernel path `RealRunner.step` never gathers the recurrent state: the Pallas kernels read each row's committed
 column and write its checkpoint columns straight into the store leaf, by slot id, for one GDN layer at a time
-(`gdn.StoreRecState`, `gdn_reference.flat_state(layer=)`). Oracle: `Model.generate` run solo under the same switch,
+(`gdn.StoreRecState`, `gdn_layout.flat_state(layer=)`). Oracle: `Model.generate` run solo under the same switch,
 which takes the kernels' other entry points on a dense per-request state (no store, no slots, no layer stride).
 """
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gdn_reference as ref
+from pallas_kernels import gdn_kernels, gdn_layout, gdn_reference
 
 jax.config.update("jax_enable_x64", False)
 
@@ -78,10 +78,10 @@ def test_reference_chunk_and_recurrent(decay, beta_mode, l2):
     if not l2:  # keep the unnormalised recurrence bounded
         q, k = np_l2(q) * 0.9, np_l2(k) * 0.9
     S0 = rng.standard_normal((B, HV, DK, DV)).astype(np.float32)
-    o_c, S_c = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=S0, use_qk_l2norm=l2,
-                                          impl="reference")
-    o_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=S0,
-                                              use_qk_l2norm=l2)
+    o_c, S_c = gdn_reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=S0,
+                                                    use_qk_l2norm=l2)
+    o_r, S_r = gdn_reference.recurrent_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=S0,
+                                                        use_qk_l2norm=l2)
     for b in range(B):
         o64, st64 = np_recurrence(q[b], k[b], v[b], g[b], beta[b], S0[b], SCALE, l2)
         assert rel_err(o_c[b], o64) < 1e-4
@@ -141,10 +141,10 @@ def check_varlen(c, o, new_state, tol):
 
 def test_reference_varlen_slots():
     c = varlen_case(np.random.default_rng(1))
-    o, st = ref.chunk_gated_delta_rule_varlen(
+    o, st = gdn_reference.chunk_gated_delta_rule_varlen(
         c["q"], c["k"], c["v"], c["g"], c["beta"], cu_seqlens=jnp.asarray(c["cu"]), state=jnp.asarray(c["state"]),
         slots=jnp.asarray(c["slots"]), read_col=jnp.asarray(c["read_col"]),
-        has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE, use_qk_l2norm=True, impl="reference")
+        has_initial_state=jnp.asarray(c["has_init"]), scale=SCALE, use_qk_l2norm=True)
     check_varlen(c, o, st, 1e-4)
 
 
@@ -180,9 +180,9 @@ def check_decode(c, o, new_state, tol):
 @pytest.mark.parametrize("T", [1, 2, 3])
 def test_reference_decode_slots(T):
     c = decode_case(np.random.default_rng(2 + T), T=T)
-    o, st = ref.recurrent_gated_delta_rule_slots(
+    o, st = gdn_reference.recurrent_gated_delta_rule_slots(
         c["q"], c["k"], c["v"], c["g"], c["beta"], state=jnp.asarray(c["state"]), slots=jnp.asarray(c["slots"]),
-        read_col=jnp.asarray(c["read_col"]), scale=SCALE, use_qk_l2norm=True, impl="reference")
+        read_col=jnp.asarray(c["read_col"]), scale=SCALE, use_qk_l2norm=True)
     check_decode(c, o, st, 1e-5)
 
 
@@ -233,8 +233,8 @@ def test_prefill_kernel_batch_interpret(decay, beta_mode, variant):
     q, k, v, g, beta = make_inputs(rng, B, T, decay, beta_mode)
     S0 = rng.standard_normal((B, HV, DK, DV)).astype(np.float32)
     if variant == PREFILL_VARIANTS[0]:  # the default, through the public switch
-        o, S = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
-                                          use_qk_l2norm=True, impl="interpret")
+        o, S = gdn_kernels.chunk_gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
+                                                  use_qk_l2norm=True, impl="interpret")
     else:
         o, S = chunk_gated_delta_rule_pallas(q, k, v, g, beta, scale=SCALE, initial_state=jnp.asarray(S0),
                                              use_qk_l2norm=True, interpret=True, variant=variant)
@@ -266,7 +266,7 @@ def test_decode_addresses_one_layer_of_the_store_leaf(impl):
     c = decode_case(rng, T=2, k1=3)
     layer = 1
     full = in_store(rng, c["state"], layer)
-    o, st = ref.recurrent_gated_delta_rule_slots(
+    o, st = gdn_kernels.recurrent_gated_delta_rule_slots(
         c["q"], c["k"], c["v"], c["g"], c["beta"], state=jnp.asarray(full), slots=jnp.asarray(c["slots"]),
         read_col=jnp.asarray(c["read_col"]), scale=SCALE, use_qk_l2norm=True, impl=impl, layer=layer)
     check_decode(c, o, np.asarray(st)[:, :, layer], 1e-5)
@@ -287,7 +287,7 @@ def test_prefill_addresses_one_layer_of_the_store_leaf(impl):
     if impl.startswith("interpret:"):  # a non-default kernel variant, called directly
         o, st = chunk_gated_delta_rule_varlen_pallas(*args, interpret=True, variant=impl.split(":")[1], **kw)
     else:
-        o, st = ref.chunk_gated_delta_rule_varlen(*args, impl=impl, **kw)
+        o, st = gdn_kernels.chunk_gated_delta_rule_varlen(*args, impl=impl, **kw)
     o = np.array(o)
     o[0, c["cu"][-1]:] = 0  # unspecified past the last sequence in the Pallas path
     check_varlen(c, o, np.asarray(st)[:, :, layer], 2e-4)
@@ -296,9 +296,9 @@ def test_prefill_addresses_one_layer_of_the_store_leaf(impl):
 
 def test_layer_needs_the_all_layer_leaf():
     with pytest.raises(ValueError, match="num_slots, K1, L"):
-        ref.flat_state(jnp.zeros((2, 1, 4, 8, 8)), layer=0)
+        gdn_layout.flat_state(jnp.zeros((2, 1, 4, 8, 8)), layer=0)
     with pytest.raises(ValueError, match="out of range"):
-        ref.flat_state(jnp.zeros((2, 1, 3, 4, 8, 8)), layer=3)
+        gdn_layout.flat_state(jnp.zeros((2, 1, 3, 4, 8, 8)), layer=3)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from tiny_configs import tiny_config
 from flashnext_jax import gdn
 from flashnext_jax.config import GDN
 from flashnext_jax.weights import random_params
-from pallas_kernels import fixed_order, gdn_reference
+from pallas_kernels import fixed_order, gdn_kernels
 
 CFG = tiny_config()
 KERNEL_ENTRY_POINTS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule_slots", "chunk_gated_delta_rule_varlen")
@@ -139,7 +139,7 @@ def forbid_kernels(monkeypatch):
     def boom(*args, **kwargs):
         raise KernelCalled
     for name in KERNEL_ENTRY_POINTS:
-        monkeypatch.setattr(gdn_reference, name, boom)
+        monkeypatch.setattr(gdn_kernels, name, boom)
 
 
 @pytest.mark.parametrize("t,k1", [(2, None), (70, None), (5, 2)])
@@ -167,7 +167,7 @@ def test_pallas_with_bf16_activations_uses_the_kernels(monkeypatch, t, k1, entry
         seen.append(kwargs.get("impl"))
         raise KernelCalled
 
-    monkeypatch.setattr(gdn_reference, entry, spy)
+    monkeypatch.setattr(gdn_kernels, entry, spy)
     p16 = _gdn_params(jnp.bfloat16)
     inputs = make_inputs(300 + t, [t], t, jnp.bfloat16)
     ends = None if k1 is None else runner_ends(inputs[4], k1)

@@ -84,3 +84,14 @@ def test_token_ids_out_of_range_or_empty_are_rejected(tmp_path, tensors):
             model.logits(bad)
     with pytest.raises(ValueError, match="out of range"):
         model.generate([3, 4, 500], max_new_tokens=2)
+
+
+def test_llm_without_a_model_is_the_embedded_demo_model():
+    """LLM() serves the demo model (what the README's first command runs), not the tests' toy oracle."""
+    from flashnext_jax.api import DEMO_MODEL
+    from flashnext_jax.runner import RealRunner
+
+    llm = flashnext_jax.LLM(max_model_len=64, max_num_batched_tokens=64)
+    assert isinstance(llm.runner, RealRunner) and llm.runner.model.path == DEMO_MODEL
+    assert llm.tokenizer is not None
+    assert type(flashnext_jax.LLM("toy").runner).__name__ == "ToyRunner"

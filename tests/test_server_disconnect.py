@@ -64,3 +64,31 @@ def test_100_disconnects_mid_stream_free_every_slot_and_page():
 @pytest.mark.slow
 def test_1000_disconnects_mid_stream_free_every_slot_and_page():
     _disconnects(1000)
+
+
+def test_a_caller_gone_while_its_request_is_added_leaves_no_record():
+    """LLM.stream adds a request on a worker thread (tokenizer, vision tower); a caller cancelled meanwhile (a
+    client that disconnected) has its request dropped once the add completes, not left to run unread."""
+    import asyncio
+    import time
+
+    llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    real_add, added = llm._add, []
+
+    def slow_add(*args):
+        time.sleep(0.5)
+        added.append(real_add(*args))
+        return added[-1]
+    llm._add = slow_add
+
+    async def run():
+        stream = llm.stream("w3 w4", SamplingParams(max_tokens=200, ignore_eos=True))
+        first = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.1)  # inside the add
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(1.0)  # the add ends meanwhile, and its request is dropped
+    asyncio.run(run())
+    assert len(added) == 1 and added[0].finished and added[0].finish_reason == "abort"
+    assert not _records(llm), _records(llm)

@@ -94,6 +94,22 @@ def test_streamed_image_chat_equals_transformers(client):
     assert chunks[-1].usage.prompt_tokens == META["chats"]["one_image"]["n_tokens"]
 
 
+def test_mm_processor_kwargs_per_request_resize_its_images(client, base):
+    """vLLM's per-request mm_processor_kwargs: this request's images resized within its bounds (fewer pixels,
+    fewer image tokens, as usage and /tokenize count them); the next request without it gets the server's; a bad
+    one is a 400 naming it, with or without images."""
+    small = {"mm_processor_kwargs": {"min_pixels": 256, "max_pixels": 1024}}
+    full = META["chats"]["two_images"]["n_tokens"]
+    out = ask(client, openai_messages("two_images"), extra_body={"ignore_eos": True, **small})
+    counted = httpx.post(base + "/tokenize", json={"messages": openai_messages("two_images"), **small}).json()
+    assert out.usage.prompt_tokens == counted["count"] < full - 50 and out.usage.completion_tokens == 12
+    assert ask(client, openai_messages("two_images")).usage.prompt_tokens == full
+    for messages in (openai_messages("one_image"), [{"role": "user", "content": "hi"}]):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, messages, extra_body={"mm_processor_kwargs": {"fps": 2}})
+        assert "fps not supported" in e.value.body["message"]
+
+
 def test_tokenize_counts_each_image_as_its_expanded_pads(base):
     r = httpx.post(base + "/tokenize", json={"messages": openai_messages("two_images")})
     assert r.status_code == 200 and r.json()["tokens"] == REF["chat/two_images/ids"].tolist()
@@ -137,9 +153,19 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(serving.cli, "configure_compilation_cache", lambda option: None)
     args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 3, "video": 0}',
                                       "--allowed-media-domains", "upload.wikimedia.org", "example.com",
-                                      "--max-image-pixels", "1000000"])
+                                      "--max-image-pixels", "1000000",
+                                      "--mm-processor-kwargs", '{"max_pixels": 50000}'])
     with pytest.raises(Built) as e:
         args.func(args)
     kw = e.value.args[0]
     assert kw["limit_mm_per_prompt"] == {"image": 3, "video": 0} and kw["max_image_pixels"] == 1000000
     assert kw["allowed_media_domains"] == ["upload.wikimedia.org", "example.com"]
+    assert kw["mm_processor_kwargs"] == {"max_pixels": 50000}
+
+
+def test_a_bad_mm_processor_kwargs_flag_is_one_line_and_exit_2(capsys):
+    from flashnext_jax.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--mm-processor-kwargs", '{"fps": 2}'])
+    assert e.value.code == 2 and "fps not supported" in capsys.readouterr().err

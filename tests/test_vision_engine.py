@@ -139,6 +139,143 @@ def test_concurrent_image_and_text_requests_each_equal_their_solo_run():
     assert other_image(outs[2], outs[0])  # the same text with other pixels: another distribution
 
 
+def test_a_slow_tower_stalls_neither_the_event_loop_nor_other_streams(monkeypatch):
+    """LLM.stream adds a request on a worker thread and the tower runs without the engine's lock
+    (Engine.encode_images): while an image request's tower runs (made to take 1.5 s here), a text stream already
+    running keeps getting tokens and the event loop keeps turning. Both stalled for the tower's whole time when it
+    ran inside add_request on the event loop, under the lock. The image request still equals its solo run, and
+    images encoded for one prompt are refused with another."""
+    import asyncio
+    import time
+
+    lm = llm()
+    text = TEXT["short/ids"].tolist()
+    long_text = fj.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    lm.generate(text, long_text)  # every step shape of the text stream and the tower compiled before the timing
+    chat = fixture_chat("one_image")
+    lm.engine.encode_images("warm-up", chat["prompt_token_ids"], chat["images"])
+    real, tower = lm.runner.encode_images, []
+
+    def slow(prompt, images):
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        out = real(prompt, images)
+        tower.append((t0, time.monotonic()))
+        return out
+    monkeypatch.setattr(lm.runner, "encode_images", slow)
+
+    async def run():
+        ticks, text_times = [], []
+
+        async def ticker():
+            while not tower:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        async def text_stream():
+            async for out in lm.stream(text, long_text):
+                text_times.append((time.monotonic(), len(out.token_ids)))
+
+        async def image_request():
+            while not text_times:  # the text stream runs first
+                await asyncio.sleep(0.01)
+            return [o async for o in lm.stream(chat, GREEDY)][-1]
+
+        tick = asyncio.create_task(ticker())
+        _, image_out = await asyncio.gather(text_stream(), image_request())
+        await tick
+        return ticks, text_times, image_out
+
+    ticks, text_times, image_out = asyncio.run(run())
+    (t0, t1), = tower
+    during = [n for t, n in text_times if t0 < t < t1]
+    assert len(during) >= 2 and during[-1] - during[0] >= 10, during  # the steps went on
+    gaps = np.diff([t for t in ticks if t0 - 0.1 < t < t1 + 0.1])
+    assert len(gaps) and gaps.max() < 0.5, gaps.max()  # the loop turned
+    assert same_run(image_out, solo("one_image", chat))
+
+    encoded = lm.engine.encode_images("r", chat["prompt_token_ids"], chat["images"])
+    with pytest.raises(ValueError, match="encoded for another prompt"):
+        lm.engine.add_request("r", chat["prompt_token_ids"][:-1] + [0], GREEDY, images=encoded)
+
+
+def test_mm_processor_kwargs_set_the_resize_bounds_as_preprocessor_config_does(tmp_path):
+    """vLLM's mm_processor_kwargs: {"min_pixels": a, "max_pixels": b} (or transformers' "size") resize as a
+    checkpoint whose preprocessor_config.json says shortest_edge a, longest_edge b (the config transformers'
+    processor reads); fewer pixels, fewer image tokens; the request then runs. Other keys and bad values are
+    refused."""
+    import shutil
+
+    from flashnext_jax.vision_preprocess import load_processor_config
+
+    image = [Image.fromarray(REF["image/square"])]
+    ids = REF["chat/one_image/ids"]
+    one_pad = [int(t) for t in ids if t != PAD] + [PAD]  # the templated text with one <|image_pad|>
+    base = llm()
+    full_ids, _ = base.image_prompt(one_pad, image)
+    lo, hi = 256, 1024  # the 64 x 64 image (64 image tokens) resized to 32 x 32: 16 tokens
+    checkpoint = tmp_path / "small"
+    shutil.copytree(DEMO_MODEL, checkpoint)
+    config = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    config["size"] = {"shortest_edge": lo, "longest_edge": hi}
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps(config))
+    want = load_processor_config(checkpoint)
+    for kwargs in ({"min_pixels": lo, "max_pixels": hi}, {"size": {"shortest_edge": lo, "longest_edge": hi}}):
+        lm = llm(mm_processor_kwargs=kwargs)
+        assert lm.processor == want
+        small_ids, small = lm.image_prompt(one_pad, image)
+        assert small_ids.count(PAD) == 16 and full_ids.count(PAD) == 64
+        _, from_config = base.runner.model.image_prompt(one_pad, image, want)
+        np.testing.assert_array_equal(small.pixel_values, from_config.pixel_values)
+    (out,) = lm.generate({"prompt_token_ids": small_ids, "images": small}, GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens
+    for bad, needle in (({"fps": 2}, "fps not supported"), ({"max_pixels": 0}, "positive integer"),
+                        ({"min_pixels": 10**6, "max_pixels": 10**5}, "min_pixels"),
+                        ({"min_pixels": 1, "max_pixels": 4}, "one merged")):
+        with pytest.raises(ValueError, match=needle):
+            llm(mm_processor_kwargs=bad)
+    with pytest.raises(ValueError, match="takes no images"):
+        fj.LLM("toy", mm_processor_kwargs={"max_pixels": 10**5})
+
+
+def test_an_image_seen_before_skips_the_tower_and_gives_the_same_run(monkeypatch):
+    """The encoder cache (request_images.EncoderCache, by image content): a chat resent with its images runs the
+    tower for none of them and gives the first run's tokens and logprobs bit for bit (the tower runs per image,
+    so cached rows are the rows a fresh run computes); other pixels miss; past its byte budget the least recently
+    used image goes."""
+    from flashnext_jax import request_images
+    from flashnext_jax.request_images import EncoderCache
+
+    lm = llm()
+    calls = []
+    real = request_images.bucketed_embeddings
+
+    def counted(tower, pixel_values, grid):
+        calls.append(tuple(map(tuple, grid.tolist())))
+        return real(tower, pixel_values, grid)
+    monkeypatch.setattr(request_images, "bucketed_embeddings", counted)
+    monkeypatch.setattr(lm.runner, "encoder_cache", EncoderCache(64 << 20))  # the runner is shared: a fresh one
+    (first,) = lm.generate(fixture_chat("two_images"), GREEDY)
+    assert len(calls) == 2  # one tower call per image
+    (again,) = lm.generate(fixture_chat("two_images"), GREEDY)
+    assert len(calls) == 2 and lm.runner.encoder_cache.stats["hits"] == 2
+    assert again.token_ids == first.token_ids and np.array_equal(logprobs(again), logprobs(first))
+    assert first.token_ids == REF["chat/two_images/generated"].tolist()
+    (square,) = lm.generate(other_image_chat(), GREEDY)  # two_images' first image in another prompt: a hit
+    assert len(calls) == 2 and same_run(square, solo("square", other_image_chat()))
+    (wide,) = lm.generate(fixture_chat("one_image"), GREEDY)  # new pixels: a miss
+    assert calls[2:] == [((1, 12, 30),)] and wide.token_ids == REF["chat/one_image/generated"].tolist()
+
+    rows = [np.zeros((4, 8), np.float32) for _ in range(3)]  # 128 bytes each
+    cache = EncoderCache(2 * 128)
+    cache.put(b"a", rows[0]), cache.put(b"b", rows[1])
+    assert cache.get(b"a") is rows[0]  # a is now the most recent
+    cache.put(b"c", rows[2])
+    assert cache.get(b"b") is None and cache.get(b"a") is rows[0] and cache.get(b"c") is rows[2]
+    assert cache.nbytes == 256
+    EncoderCache(0).put(b"a", rows[0])  # budget 0: nothing kept (a runner without a tower)
+
+
 def test_prefix_cache_shares_an_image_prompt_only_with_the_same_image():
     lm = llm(enable_prefix_caching=True, block_size=16)
     first_pad = int(np.nonzero(REF["chat/one_image/ids"] == PAD)[0][0])
