@@ -99,7 +99,7 @@ _PHASED = ("_build_batch", "_launch_model_step", "_choose_tokens", "_commit")
 def time_phases(eng) -> tuple[dict[str, list[float]], Callable[[], None]]:
     """Host-time breakdown of the engine's steps: wraps the step's phases (on the instance) so that each call
     appends its wall time in seconds to phases[name] (build_batch, dispatch, device_wait: the host waiting for the
-    model step after launching it, sampler: the second program of a step (engine.choose_tokens: device sampling,
+    model step after launching it, sampler: the second program of a step (step_programs.choose_tokens: device sampling,
     logprobs, bias) launch to result, commit). The waits serialise host and device within a step (what a step
     costs, phase by phase). Returns (phases, restore), restore() removing the wrappers."""
     phases = {"build_batch": [], "dispatch": [], "device_wait": [], "sampler": [], "commit": []}

@@ -34,7 +34,7 @@ from bench.engine_step import RandomPleRunner
 from bench.results_io import save_result
 from flashnext_jax import api
 from flashnext_jax.config import from_hf_config
-from flashnext_jax.engine import Batch
+from flashnext_jax.model_runner import Batch
 from flashnext_jax.state_store import StoreDims, StoreLedger, _bucket
 
 

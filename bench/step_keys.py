@@ -1,7 +1,7 @@
 """Which engine programs mixed server traffic needs: the soak's request generator (tests/test_server_soak.py:
 random lengths, sampling options, logprobs, stops, streams, disconnects) against an in-process `flashnext serve`
-app for a few minutes, recording the key of every model step and sampler the engine launched (engine.StepKey,
-engine.SamplerKey), the distinct values of each key component, the compiles, and every XLA compile of the process
+app for a few minutes, recording the key of every model step and sampler the engine launched (step_programs.StepKey,
+step_programs.SamplerKey), the distinct values of each key component, the compiles, and every XLA compile of the process
 (jax.monitoring).
 
 Before / after from the same launches: `one_program_keys` counts the distinct keys the engine had when the model

@@ -9,7 +9,7 @@ thread, the engine's path below PARALLEL_FROM rows; "executor": llguidance's par
 one MTP draft per request (2 mask rows each), the commit (consume_token), and the unpacking a host-sampled row
 needs (allowed_tokens).
 
-Device part (`--part device`, for the H200): the jitted step epilogue of engine.with_device_sampling on [B, K1,
+Device part (`--part device`, for the H200): the jitted step epilogue of step_programs.with_device_sampling on [B, K1,
 248320] logits, with a mask of the constrained rows vs without (argmax; and device sampling), i.e. what a
 constrained row adds to a step on the device; plus the mask's host->device copy. The issue's target: a step with a
 constrained row <= 5% slower than without (decode step ~6.5 ms on the H200: bench/results/engine_step.json).
@@ -157,7 +157,7 @@ def device_part(reps: int) -> list[dict]:
     import jax.numpy as jnp
 
     from flashnext_jax.device_sampling import SamplingInputs
-    from flashnext_jax.engine import with_device_sampling
+    from flashnext_jax.step_programs import with_device_sampling
     from flashnext_jax.sampling import SamplingParams
 
     vocab = 4096 if SMOKE else VOCAB

@@ -39,7 +39,7 @@ log = logging.getLogger("flashnext_jax.engine")
 THREAD_NAME = "flashnext-compile-ahead"
 SWITCH_INTERVAL_S = 1e-4  # CPython's GIL switch interval while the worker traces and lowers (default 5e-3)
 _WORKERS: "weakref.WeakSet[CompileAhead]" = weakref.WeakSet()  # live workers, for the exit hook (weak: a worker
-# goes with its engine's runner, engine.jitted_step)
+# goes with its engine's runner, step_programs.jitted_step)
 
 
 def _wait_at_exit():

@@ -8,8 +8,8 @@ device.
 
 Which rows: sampled rows without penalties of an engine without speculative decoding (`device_sampled` below);
 rejection sampling of MTP drafts and the penalties (which need the token history) stay on the host
-(sampling.py). Greedy rows take the model step's device argmax (engine.model_step); this runs in the engine's
-sampler (engine.choose_tokens), a small program of its own after the model step.
+(sampling.py). Greedy rows take the model step's device argmax (step_programs.model_step); this runs in the engine's
+sampler (step_programs.choose_tokens), a small program of its own after the model step.
 
 Same steps as `sampling.probs_from_logits`, in float32: x = logits / T; top-k keeps x >= the k-th largest (ties
 kept); p = softmax; top-p keeps the shortest prefix in (descending p, ascending id) order whose mass before its
@@ -51,7 +51,7 @@ class SamplingInputs:
     not sample on the device: temperature 1, no masks, key 0; their samples are never read).
 
     `top_k_mode` and `use_top_p` say which masks some row of the batch uses. They are static (pytree metadata, so
-    part of the jitted sampler's key, engine.SamplerKey) because the host knows them: a mask is chosen at trace
+    part of the jitted sampler's key, step_programs.SamplerKey) because the host knows them: a mask is chosen at trace
     time instead of by a `lax.cond` on device values, which made the H200 step's jitted call wait until the step
     had run (bench/results/engine_step_sampling.json). The price is one compiled sampler per combination in use (a
     small program: the model step does not depend on it)."""
@@ -150,7 +150,7 @@ def masked_probs(logits: jax.Array, temperature, top_k, top_p, min_p, *, top_k_m
 def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """logits [B, K1, V] -> one token per row and column [B, K1] int32, every column of a row drawn with the row's
     one uniform (the engine reads the column of the row's last token). The engine traces this only into steps where
-    some row samples on the device (engine.choose_tokens), not behind a lax.cond: with one, the H200 engine
+    some row samples on the device (step_programs.choose_tokens), not behind a lax.cond: with one, the H200 engine
     step at B=1 did not return from the jitted call until the step had run (dispatch 7.5 ms, device time 6.0;
     bench/results/engine_step_sampling.json), as if XLA read the predicate back on the host mid-step."""
     b, k1, v = logits.shape
@@ -205,8 +205,8 @@ class LogitBias:
                    meta_fields=["sampling", "bias_width", "mask_shape"])
 @dataclasses.dataclass(frozen=True)
 class SamplerInputs:
-    """What a step's sampler (engine.choose_tokens) takes besides the logits, as it crosses to the device: the rows'
-    SamplingInputs, LogitBias and packed grammar masks side by side in one int32 array `words` [B, C] (float32 and
+    """What a step's sampler (step_programs.choose_tokens) takes besides the logits, as it crosses to the device: the
+    rows' SamplingInputs, LogitBias and packed grammar masks side by side in one int32 array `words` [B, C] (float32 and
     uint32 fields bit-cast), so a step costs one host->device copy for all of them instead of one per leaf (up to
     eight; ~60-100 us each on the H200 host, bench/results/structured_cost_device.json). Which parts are present
     (and the masks' shape) is static: part of the sampler's key. `unpack` runs inside the jitted sampler: slices

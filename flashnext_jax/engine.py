@@ -1,7 +1,9 @@
 """The engine loop: schedule -> tickets -> padded batch (row->slot map lives only in this step) -> jitted pure
 model step `(params, store, batch) -> (store, outputs)` with the store donated (then, where a row needs more than
 its argmax, the jitted sampler) -> (D steps later) sample + commit via the ticket. See docs/engine-design.md for
-the model protocol and the invariants each test proves.
+the model protocol and the invariants each test proves. Beside it: the batch and the runner's interface
+(model_runner.py), the step's jitted programs and their keys (step_programs.py), the outputs as the host reads
+them (host_outputs.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import functools
 import logging
 import random
 import time
-from typing import Any, Callable, ClassVar, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,280 +24,21 @@ from pallas_kernels import fixed_order
 from pallas_kernels.kernel_switch import resolve_impl
 
 from . import sampling, token_kinds
-from .compile_ahead import CompileAhead, abstract
-from .step_cache import StepCache
+from .compile_ahead import abstract
+from .device_sampling import LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes
+from .host_outputs import HostOutputs, crossing_outputs
+from .model_runner import HostRow, ModelRunner, PackedBatch
+from .multihost import Agreement
 from .page_pool import device_memory, size_pool
 from .request_images import RequestImages, prompt_digest
-from .device_sampling import (LogitBias, SamplerInputs, SamplingInputs, device_sampled, mask_modes, prompt_logprobs,
-                              sample_tokens)
-from .multihost import Agreement
 from .scheduler import Request, RowPlan, Scheduler, SchedulerConfig, Status
-from .state_store import StateStore, StoreDims, StoreLedger, StoreSpec, _bucket
-from .structured_output import GrammarCompiler, GrammarState, allowed_tokens, apply_token_bitmask
+from .state_store import StoreDims, StoreLedger, StoreSpec, _bucket
+from .step_cache import StepCache
+from .step_programs import SamplerKey, StepKey, chain_tokens, choose_tokens_packed, jitted_step
+from .structured_output import GrammarCompiler, GrammarState, allowed_tokens
 from .tickets import RowTicket, StepTicket, TokenSource
 
 log = logging.getLogger("flashnext_jax.engine")
-
-
-# ------------------------------------------------------------------------------------------- the model protocol
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot", "gen", "tokens", "n_valid", "start", "page_table", "host"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """One step's padded inputs. Row b is meaningful only inside this step; slot -1 marks a padding row."""
-
-    slot: jax.Array  # [B] int32, -1 = padding
-    gen: jax.Array  # [B] int32 generation the row was scheduled with (stale -> treated as padding)
-    tokens: jax.Array  # [B, T] int32, right-padded
-    n_valid: jax.Array  # [B] int32 real tokens in the row
-    start: jax.Array  # [B] int32 absolute position of tokens[:, 0] (= tokens already in the slot's state)
-    page_table: jax.Array  # [B, MP] int32 page ids of the row's slot, -1 = unmapped
-    host: dict  # model-defined host-computed inputs from `host_prepare` (e.g. PLE n-gram rows [B, T, E])
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "host"],
-                   meta_fields=["num_tokens", "generated_tokens"])
-@dataclasses.dataclass(frozen=True)
-class PackedBatch:
-    """A Batch as it crosses to the device: its integer arrays side by side in one int32 array
-    [B, 5 + T + MP] = (slot, gen, n_valid, start, generated, tokens, page_table), so a step costs one host->device
-    copy for them, not seven (each transfer and each jitted-call argument costs host time per step). `unpack` runs
-    inside the jitted step (slices: free). `generated` (1: the row's tokens are generated tokens) and
-    `generated_tokens` (> 0: the decode step's width) are the step's token kinds (token_kinds.py); 0 without."""
-
-    ints: Any
-    host: dict
-    num_tokens: int
-    generated_tokens: int = 0
-
-    LEAD: ClassVar[int] = 5  # columns before the tokens; column 5 is a row's first token
-
-    @staticmethod
-    def pack(slot, gen, tokens, n_valid, start, page_table, host, generated=None,
-             generated_tokens: int = 0) -> "PackedBatch":
-        generated = np.zeros_like(slot) if generated is None else generated
-        ints = np.concatenate([np.stack([slot, gen, n_valid, start, generated], axis=1), tokens, page_table], axis=1)
-        return PackedBatch(ints.astype(np.int32), host, tokens.shape[1], generated_tokens)
-
-    @property
-    def page_table_width(self) -> int:
-        return self.ints.shape[1] - self.LEAD - self.num_tokens
-
-    def abstract_at_width(self, page_table_width: int) -> "PackedBatch":
-        """This batch's types (compile_ahead.abstract) with page tables of another width: what compiling the step
-        for that width needs."""
-        ints = abstract(self.ints)  # the sharding only if the array is committed to a device, as jit sees it
-        ints = jax.ShapeDtypeStruct((ints.shape[0], self.LEAD + self.num_tokens + page_table_width), ints.dtype,
-                                    sharding=ints.sharding)
-        return PackedBatch(ints, abstract(self.host), self.num_tokens, self.generated_tokens)
-
-    def unpack(self) -> Batch:
-        a, t, lead = self.ints, self.num_tokens, self.LEAD
-        return Batch(slot=a[:, 0], gen=a[:, 1], tokens=a[:, lead: lead + t], n_valid=a[:, 2], start=a[:, 3],
-                     page_table=a[:, lead + t:], host=self.host)
-
-    def token_kinds(self) -> token_kinds.TokenKinds | None:
-        """The kinds context its step is traced in (None: the batch carries none)."""
-        if not self.generated_tokens:
-            return None
-        return token_kinds.TokenKinds(generated=self.ints[:, 4] == 1, tokens=self.generated_tokens,
-                                      all_generated=self.num_tokens <= self.generated_tokens)
-
-
-def unpacked(batch) -> tuple[Batch, token_kinds.TokenKinds | None]:
-    """A step's Batch and its token kinds, from a PackedBatch (inside the jitted step) or a Batch as it is."""
-    if isinstance(batch, PackedBatch):
-        return batch.unpack(), batch.token_kinds()
-    return batch, None
-
-
-@dataclasses.dataclass(frozen=True)
-class HostRow:
-    """What the host hook sees of one row: a suffix of the request's tokens before `start`, the row tokens, and
-    the request's images (request_images.RequestImages; None for text), whose rows the pads it covers take."""
-
-    history: tuple[int, ...]
-    start: int
-    tokens: tuple[int, ...]
-    images: Any = None
-
-
-class ModelRunner(Protocol):
-    vocab_size: int
-    eos_token_id: int
-    max_model_len: int
-    k: int  # MTP draft tokens the model can produce per position (0 = no MTP head)
-    params: Any
-
-    def store_spec(self) -> StoreSpec: ...
-
-    def host_prepare(self, rows: Sequence[HostRow | None], T: int) -> dict[str, np.ndarray]: ...
-
-    def step(self, params, store: StateStore, batch: Batch) -> tuple[StateStore, dict[str, jax.Array]]:
-        """Pure. Reads each live row's committed column, writes K1 checkpoint columns (column c = state after row
-        token base + c, base = max(n_valid - K1, 0)), writes per-token page entries at start..start+n_valid-1,
-        returns {"logits": [B, K1, V] f32 at those tail tokens, "draft_logits": [B, K1, k, V]}."""
-        ...
-
-
-def model_step(step: Callable, logits_of: Callable | None = None) -> Callable:
-    """runner.step(params, store, batch) plus, computed on the device: for "logits" and "draft_logits" the argmax
-    over the vocabulary ("<name>_argmax") and whether every logit is finite ("<name>_finite"). Greedy rows commit
-    from these few bytes instead of copying [B, K1, V] float32 logits to the host (1 MB per row at the real
-    vocabulary). A PackedBatch is unpacked here, inside the jitted step. Everything else that chooses tokens
-    (device sampling, logprobs, logit bias, grammar masks) is `choose_tokens`, a program of its own, so a model
-    step is compiled once per StepKey whatever its rows' sampling.
-
-    `prompt_targets` ([B, T] int32, None when no row asks for prompt logprobs): the step runs with
-    all_positions=True and returns the raw logprob of each position's next prompt token and the top
-    MAX_LOGPROBS of every position (device_sampling.prompt_logprobs, from logits_of(params, hidden)). None: jit
-    traces None and an array separately, so steps without prompt logprobs compute nothing for them.
-
-    `stage_inputs`: what a last pipeline stage takes besides the batch (the previous stage's hyper state)."""
-    def run(params, store, batch, prompt_targets=None, *stage_inputs):
-        batch, kinds = unpacked(batch)
-        with token_kinds.token_kinds(kinds):
-            if prompt_targets is None:
-                store, out = step(params, store, batch, *stage_inputs)
-            else:
-                store, out = step(params, store, batch, *stage_inputs, all_positions=True)
-            out = dict(out)
-            for name in ("logits", "draft_logits"):
-                out[name + "_finite"] = jnp.all(jnp.isfinite(out[name]), axis=-1)
-                out[name + "_argmax"] = jnp.argmax(out[name], axis=-1).astype(jnp.int32)  # first maximum, as numpy
-            if prompt_targets is not None:
-                out.update(prompt_logprobs(lambda h: logits_of(params, h), out.pop("hidden"), prompt_targets,
-                                           sampling.MAX_LOGPROBS))
-        return store, out
-    return run
-
-
-def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, token_mask=None,
-                  logprobs: bool = False) -> dict:
-    """What a step's rows need beyond the model step's argmax, from its raw logits [B, K1, V] and draft logits
-    [B, K1, k, V], as a small program of its own (the engine's sampler: its size does not grow with the model, 1-2 s
-    to compile on a 2-core CPU where a model step takes about a minute at the real size on a GPU, so its variants
-    cost little: docs/engine-design.md, "Compiles"). Each input traces its code only when given (None: jit traces
-    nothing for it), so the sampler's key (SamplerKey) says which:
-
-    * `sampling_inputs` (device_sampling.SamplingInputs): the tokens of the rows that sample on the device
-      ("logits_sample"); which masks it traces (top-k, top-p) is static, part of the key;
-    * `logit_bias` (device_sampling.LogitBias): added to the logits and draft logits the argmax and the device
-      sample choose from (then "logits_argmax" / "draft_logits_argmax" are the biased ones and replace the model
-      step's); the raw logits stay raw (the host adds the bias itself where it samples, sampling.apply_logit_bias);
-    * `token_mask` [B, K1, ceil(V/32)] int32 (structured outputs: the packed grammar masks of the constrained rows'
-      token-choosing columns, -1 words elsewhere): masked columns choose their argmax / sample among the allowed
-      tokens only; the finite flags and the logprobs stay those of the raw logits;
-    * `logprobs` (static): the log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob",
-      "logits_sample_logprob") and the MAX_LOGPROBS most likely tokens of every position ("logits_top_ids",
-      "logits_top_logprobs"): a top-k over the whole vocabulary, so only in steps where a row reads them."""
-    out = {}
-    chosen_from = {"logits": logits, "draft_logits": draft_logits}
-    if logit_bias is not None:
-        chosen_from = {name: logit_bias.apply(x) for name, x in chosen_from.items()}
-    if token_mask is not None:
-        chosen_from["logits"] = apply_token_bitmask(chosen_from["logits"], token_mask)
-    # the argmax of what the bias or the mask changed (a mask alone leaves the draft logits: their argmax is the
-    # model step's)
-    changed = ["logits", "draft_logits"] if logit_bias is not None else ["logits"] if token_mask is not None else []
-    out = {name + "_argmax": jnp.argmax(chosen_from[name], axis=-1).astype(jnp.int32) for name in changed}
-    if sampling_inputs is not None:
-        out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
-    if logprobs:
-        x = logits.astype(jnp.float32)
-        lse = fixed_order.logsumexp(x, axis=-1)
-        top_values, out["logits_top_ids"] = jax.lax.top_k(x, min(sampling.MAX_LOGPROBS, x.shape[-1]))
-        out["logits_top_logprobs"] = top_values - lse[..., None]
-        taken = lambda ids: jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - lse  # noqa: E731
-        argmax = out["logits_argmax"] if "logits_argmax" in out else jnp.argmax(x, axis=-1).astype(jnp.int32)
-        out["logits_argmax_logprob"] = taken(argmax)
-        if sampling_inputs is not None:
-            out["logits_sample_logprob"] = taken(out["logits_sample"])
-    return out
-
-
-def choose_tokens_packed(logits, draft_logits, inputs: SamplerInputs | None, logprobs: bool = False) -> dict:
-    """The engine's sampler: choose_tokens with its inputs unpacked from the step's one SamplerInputs transfer."""
-    return choose_tokens(logits, draft_logits, *(inputs.unpack() if inputs is not None else (None,) * 3),
-                         logprobs=logprobs)
-
-
-def with_device_sampling(step: Callable, logits_of: Callable | None = None) -> Callable:
-    """`model_step` then `choose_tokens` in one function, what the engine's two programs compute together (tests
-    and benchmarks of the token-choosing code): run(params, store, batch, sampling_inputs, logprobs, logit_bias,
-    prompt_targets, token_mask) -> (store, outputs)."""
-    model = model_step(step, logits_of)
-
-    def run(params, store, batch, sampling_inputs=None, logprobs=False, logit_bias=None, prompt_targets=None,
-            token_mask=None):
-        store, out = model(params, store, batch, prompt_targets)
-        if logprobs or any(a is not None for a in (sampling_inputs, logit_bias, token_mask)):
-            out |= choose_tokens(out["logits"], out["draft_logits"], sampling_inputs, logit_bias, token_mask,
-                                 logprobs)
-        return store, out
-    return run
-
-
-def chain_tokens(chained_host_inputs: Callable, chain_params, batch: PackedBatch, argmax, sample, src,
-                 context) -> PackedBatch:
-    """Async scheduling: a batch whose chained rows take their one input token from the previous step's outputs on
-    the device (argmax [B', K1], sample [B', K1] or None: the step before, still in flight or just done), and the
-    host inputs made from that token there (`runner.chained_host_inputs`: the PLE n-gram rows, which replace column 0
-    of the chained rows' host inputs of those names). src [B, 3] int32
-    per row of this batch: (row, column) of that token in the previous step's outputs (row -1: not chained),
-    sampled (1: the device sample, 0: the argmax), copied from the rows' tickets (tickets.TokenSource); context
-    [B, runner.chain_context_len] the tokens before it (-1 before the first). A small program of its own, traced
-    with 64-bit integers (the n-gram hash)."""
-    row, col, sampled = src[:, 0], src[:, 1], src[:, 2]
-    chained = row >= 0
-    at = (jnp.maximum(row, 0), col)
-    token = argmax[at]
-    if sample is not None:
-        token = jnp.where(sampled == 1, sample[at], token)
-    first = PackedBatch.LEAD  # the column of a row's first token
-    token = jnp.where(chained, token, batch.ints[:, first]).astype(jnp.int32)
-    host = dict(batch.host)
-    for name, value in chained_host_inputs(chain_params, token, batch.ints[:, 3], context).items():
-        old = host[name]
-        keep = chained.reshape(-1, *([1] * (old.ndim - 2)))
-        host[name] = old.at[:, 0].set(jnp.where(keep, value.astype(old.dtype), old[:, 0]))
-    return dataclasses.replace(batch, ints=batch.ints.at[:, first].set(token), host=host)
-
-
-def jitted_step(runner: ModelRunner, batch_invariant: bool = True,
-                token_kinds: bool = False) -> tuple[Any, StepCache, CompileAhead]:
-    """The runner's compiled model steps by StepKey (one StepCache per runner, shared by its engines; a new key
-    compiles: about a minute at the real model size, so the engine logs it), its compiled samplers (choose_tokens)
-    by SamplerKey, and the background compiler that compiles model steps before they are needed (compile_ahead.py).
-    A pipeline (pipeline.py) has one jitted model step per stage instead: its PipelineSteps stands in for the model
-    steps' StepCache. Engines of one runner in the two batch-invariance modes (EngineConfig.batch_invariant) get
-    separate caches: a program keeps the mode it was traced in; so do engines with and without token kinds (their
-    batches carry the kinds' width, EngineConfig.token_kinds).
-
-    The programs live in the runner's own attributes, so they go with it: a process that makes engine after engine
-    (a notebook, a benchmark) must not keep every executable it ever compiled (each holds memory mappings). A copy
-    of a runner (`copy.copy`) starts with none of them."""
-    owner, programs = vars(runner).get("_engine_programs", (None, None))
-    if owner != id(runner):
-        programs = {}
-        vars(runner)["_engine_programs"] = (id(runner), programs)  # vars(): frozen dataclasses too
-    hit = programs.get((batch_invariant, token_kinds))
-    if hit is None:
-        if hasattr(runner, "pipeline_step"):
-            if runner.batch_invariant != batch_invariant:
-                raise ValueError(f"the pipeline's stages were built with batch_invariant={runner.batch_invariant}, "
-                                 f"the engine asks for {batch_invariant}: pass the same to PipelineRunner")
-            steps = runner.steps()
-        else:
-            steps = StepCache(model_step(runner.step, getattr(runner, "logits", None)), 32, name="run",
-                              batch_invariant=batch_invariant)
-        samplers = StepCache(choose_tokens_packed, 64, donate_argnums=(), static_argnums=(3,), name="choose_tokens",
-                             log_level=logging.DEBUG, batch_invariant=batch_invariant)
-        hit = (steps, samplers, CompileAhead(steps.compile, steps.__contains__))
-        programs[(batch_invariant, token_kinds)] = hit
-    return hit
 
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -318,92 +61,6 @@ def _check_prefill_buckets(buckets: tuple[int, ...] | None, decode_tokens: int, 
                          f"({max_num_batched_tokens}): a chunk may use the whole budget")
     if buckets[0] <= decode_tokens:
         raise ValueError(f"prefill buckets must exceed the decode step's {decode_tokens} tokens, got {buckets}")
-
-
-def _components(key: tuple, fields: Sequence[str]) -> str:
-    return " ".join(f"{name}={getattr(key, name)}" for name in fields)
-
-
-class StepKey(NamedTuple):
-    """What one compiled model step (model_step) is specialised to: its StepCache key (a plain tuple of the same
-    values is the same key). Nothing about how rows choose their tokens is in it: that is the SamplerKey's."""
-
-    rows: int  # B: a power-of-two bucket of the step's rows
-    tokens: int  # T: the decode bucket or a prefill bucket (Engine._token_bucket)
-    page_table_width: int  # pages per row in the step's page tables
-    prompt_logprobs: bool  # every position's logits (some row asks for prompt logprobs)
-    store: tuple  # the store's leaf shapes (engines of one runner with other pool sizes share the cache)
-    images: bool = False  # some row has images: 3-D positions from the slots' spans, the tower's rows as inputs
-
-    def describe(self) -> str:
-        """The key in words, for the log."""
-        return (f"{self.rows} rows x {self.tokens} tokens, page tables of {self.page_table_width} pages"
-                + (", with prompt logprobs" if self.prompt_logprobs else "") + (", with images" if self.images else ""))
-
-    def components(self) -> str:
-        """Every component but the store, by name (the debug line of a new key)."""
-        return _components(self, [f for f in self._fields if f != "store"])
-
-
-class SamplerKey(NamedTuple):
-    """What one compiled sampler (choose_tokens) is specialised to. It runs after a model step whose rows need more
-    than the step's argmax: device sampling, logprobs, a logit bias or grammar masks. Its inputs' other dimensions
-    (K1, drafts, vocabulary) are the runner's, so fixed for its StepCache."""
-
-    rows: int  # B, as the model step's
-    sampling: tuple | None  # (top_k_mode, use_top_p) of the rows sampled on the device (SamplingInputs.masks); None
-    logprobs: bool  # the logsumexp and top-k logprob outputs (a row whose token the device chooses wants logprobs)
-    logit_bias_width: int  # (id, bias) pairs per row (device_sampling.LogitBias), 0: no row has a logit_bias
-    grammar: bool  # packed grammar masks (some row is constrained)
-
-    def describe(self) -> str:
-        words = f"the sampler of {self.rows} rows"
-        if self.sampling is not None:
-            top_k_mode, use_top_p = self.sampling
-            words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
-                top_k_mode] + (" with top-p" if use_top_p else "")
-        words += ", with logprobs" if self.logprobs else ""
-        words += f", logit bias of up to {self.logit_bias_width} tokens" if self.logit_bias_width else ""
-        return words + (", with grammar masks" if self.grammar else "")
-
-    def components(self) -> str:
-        return _components(self, self._fields)
-
-    @property
-    def needed(self) -> bool:
-        """Whether the step's rows need the sampler at all (greedy rows alone commit from the model step)."""
-        return self.sampling is not None or self.logprobs or bool(self.logit_bias_width) or self.grammar
-
-
-RAW_OUTPUTS = ("logits", "draft_logits")  # [B, K1, V] f32 and [B, K1, k, V]: the host reads them only to sample
-
-
-def crossing_outputs(out: dict, host_logits: bool) -> dict:
-    """The step outputs (the model step's, then the sampler's) that cross to the other processes: all of them
-    but the raw logits, which cross only in a step where some row samples from them on the host."""
-    return {n: a for n, a in out.items() if host_logits or n not in RAW_OUTPUTS}
-
-
-class HostOutputs:
-    """One step's outputs, copied to the host on first use and only the ones used (the full logits only when a
-    row samples with a temperature or penalties)."""
-
-    def __init__(self, out: dict):
-        self._out, self._host = out, {}  # out: the model step's outputs, then the sampler's (which replace some)
-
-    # the few-byte outputs come over together, by group: one device_get instead of one sync copy each (the logprob
-    # outputs only when a row reads logprobs)
-    GROUPS = (("_argmax", "_finite"), ("_logprob", "_logprobs", "_top_ids"))
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._host:
-            group = next((g for g in self.GROUPS if name.endswith(g)), None)
-            names = [n for n in self._out if n.endswith(group)] if group else [name]
-            self._host.update(zip(names, jax.device_get([self._out[n] for n in names])))
-        return self._host[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._out[name].shape)
 
 
 # --------------------------------------------------------------------------------------------------- the engine

@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator, Sequence
 
 from pallas_kernels import fixed_order
 
-from .engine import Engine, EngineConfig, ModelRunner
+from .engine import Engine, EngineConfig
+from .model_runner import ModelRunner
 from .media import DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
 from .sampling import SamplingParams, TokenLogprob
 from .scheduler import Request

@@ -32,9 +32,11 @@ from pallas_kernels import fixed_order
 
 from . import token_kinds
 from .compile_ahead import abstract
-from .engine import crossing_outputs, model_step, unpacked
+from .host_outputs import crossing_outputs
+from .model_runner import unpacked
 from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
+from .step_programs import model_step
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +92,15 @@ class PipelineRunner:
         return self.base.host_prepare(rows, T)
 
     def steps(self) -> "PipelineSteps":
-        """What the engine holds in place of its StepCache (engine.jitted_step): one per pipeline."""
+        """What the engine holds in place of its StepCache (step_programs.jitted_step): one per pipeline."""
         if self._steps is None:
             self._steps = PipelineSteps(self)
         return self._steps
 
     def pipeline_step(self, params, stores, batch, prompt_targets, programs: "StagePrograms"):
         """One micro-batch through every stage (asynchronously dispatched) with the stages' compiled executables
-        for these argument types (`compile_programs`): -> (new stores, last stage's outputs: engine.model_step's)."""
+        for these argument types (`compile_programs`): -> (new stores, last stage's outputs: those of
+        step_programs.model_step)."""
         return self._launch(params, stores, batch, prompt_targets, programs)
 
     def compile_programs(self, args: tuple) -> "StagePrograms":

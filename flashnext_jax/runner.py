@@ -246,7 +246,7 @@ class RealRunner:
     def chained_host_inputs(self, chain_params: dict, tokens, positions, context) -> dict:
         """host_prepare's outputs for one token per row [B], made on the device (the token is known only there, at
         `positions` [B]; context [B, chain_context_len]: the tokens before it, -1 before the request's first):
-        name -> [B, ...], column 0 of the chained rows (engine.chain_tokens). Traced with 64-bit integers
+        name -> [B, ...], column 0 of the chained rows (step_programs.chain_tokens). Traced with 64-bit integers
         (ple.device_ngram_ids)."""
         if not self.n_ple:
             return {}

@@ -40,7 +40,7 @@ def memory_summary(compiled) -> str:
 
 class StepCache:
     """Compiled programs of `run` by key: the engine's model steps (`run(params, store, batch, prompt_targets)`,
-    the store, argument 1, donated) and its samplers (engine.choose_tokens: nothing donated, its logprobs flag
+    the store, argument 1, donated) and its samplers (step_programs.choose_tokens: nothing donated, its logprobs flag
     static). `name`: the jitted function's name, as the backend's live executables show it; `log_level`: of the
     line each compile logs (a sampler is a small program that compiles often: debug). `batch_invariant`: trace and
     compile every program in that mode (pallas_kernels/fixed_order.py)."""

@@ -15,7 +15,7 @@ shaped like a decode step holds generated rows only; prefix-cache snapshots stop
 reading a cached generated token as its prompt would otherwise read a GEMV-computed value where its solo run
 computes it as a prompt token).
 
-The step sets the context (`engine.model_step`) from its batch; `layers.linear` and `moe.moe_forward` read it at
+The step sets the context (`step_programs.model_step`) from its batch; `layers.linear` and `moe.moe_forward` read it at
 trace time, so a program keeps what it was traced with."""
 
 from __future__ import annotations

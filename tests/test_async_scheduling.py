@@ -1,5 +1,5 @@
 """Async scheduling (EngineConfig.async_scheduling): a decode row launched while its request's previous step is in
-flight, its token and PLE n-gram rows made on the device (engine.chain_tokens). Oracles: the same engine without
+flight, its token and PLE n-gram rows made on the device (step_programs.chain_tokens). Oracles: the same engine without
 it (every token and logprob), `Model.generate` run solo for greedy rows, and the host n-gram hasher for the
 device one. The toy model's state machine and soak (tests/test_engine_toy.py) drive it through random arrivals,
 aborts, preemption and prefix hits against the pure-Python fold."""

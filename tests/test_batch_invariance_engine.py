@@ -93,7 +93,7 @@ def test_eight_concurrent_requests_equal_their_solo_runs(k, budget):
 def test_invariance_switch_off_builds_other_programs():
     """batch_invariant=False compiles its own programs (XLA reductions, the small-weight multiply + reduce, excess
     precision on) and still answers; the two modes never share a compiled step."""
-    from flashnext_jax.engine import jitted_step
+    from flashnext_jax.step_programs import jitted_step
 
     lm = fj.LLM(runner(0), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=MAX_LEN, page_size=PAGE,
                 batch_invariant=False, **SHAPES)

@@ -139,13 +139,14 @@ def test_which_rows_sample_on_the_device():
 def test_engine_samples_on_the_device_batch_invariant(monkeypatch):
     """Seeded sampled requests (k = 0, no penalties) give the same tokens batched as solo, never copy logits to the
     host, and the same seed gives the same tokens twice."""
-    from flashnext_jax import engine as engine_module
+    from flashnext_jax import host_outputs
 
     cfg = ToyConfig(vocab_size=64, max_model_len=32)
     runner = ToyRunner(cfg, 1)
     fetched = set()
-    real = engine_module.HostOutputs.__getitem__
-    monkeypatch.setattr(engine_module.HostOutputs, "__getitem__", lambda self, name: fetched.add(name) or real(self, name))
+    real = host_outputs.HostOutputs.__getitem__
+    monkeypatch.setattr(host_outputs.HostOutputs, "__getitem__",
+                        lambda self, name: fetched.add(name) or real(self, name))
 
     masks = [dict(top_k=20), dict(), dict(top_p=0.8)]  # each row its own: the batched steps use their union
 

@@ -18,7 +18,7 @@ from bench import decode_step
 from bench.engine_step import RandomPleRunner
 from flashnext_jax import api
 from flashnext_jax.config import from_hf_config
-from flashnext_jax.engine import Batch
+from flashnext_jax.model_runner import Batch
 from flashnext_jax.moe import routed_experts_reference
 from flashnext_jax.state_store import StoreDims, init_store
 

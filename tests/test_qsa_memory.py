@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import flashnext_jax as fj
-from flashnext_jax.engine import Batch
+from flashnext_jax.model_runner import Batch
 from flashnext_jax.runner import RealRunner
 from flashnext_jax.state_store import StoreDims, init_store
 

@@ -13,7 +13,8 @@ from test_qsa_paged import CFG, LAYER, N_QSA, PARAMS, dense, paged_step  # noqa:
 
 import flashnext_jax as fj
 from flashnext_jax import qsa_offload
-from flashnext_jax.engine import Batch, Engine, EngineConfig
+from flashnext_jax.engine import Engine, EngineConfig
+from flashnext_jax.model_runner import Batch
 from flashnext_jax.qsa_paged import PagedKV, qsa_paged_forward
 from flashnext_jax.runner import RealRunner
 from flashnext_jax.state_store import StoreDims, init_store, store_shardings

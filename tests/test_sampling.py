@@ -135,11 +135,11 @@ def test_nucleus_equals_the_full_sort(vocab, shape):
 
 def test_device_argmax_commit_equals_host_verify_and_propose():
     """Greedy rows without penalties commit from the step's device argmax and finite flags
-    (engine.with_device_sampling): the same tokens as verify / propose on the full logits, ties included."""
+    (step_programs.with_device_sampling): the same tokens as verify / propose on the full logits, ties included."""
     import jax.numpy as jnp
 
     from flashnext_jax.device_sampling import SamplingInputs
-    from flashnext_jax.engine import with_device_sampling
+    from flashnext_jax.step_programs import with_device_sampling
 
     rng = np.random.default_rng(7)
     g = SamplingParams(temperature=0.0)

@@ -101,7 +101,7 @@ def _live_samplers() -> int:
 
 
 def test_compiled_samplers_are_bounded_too():
-    """The samplers (engine.choose_tokens) have an LRU of their own (EngineConfig.max_compiled_samplers)."""
+    """The samplers (step_programs.choose_tokens) have an LRU of their own (EngineConfig.max_compiled_samplers)."""
     runner = ToyRunner(CFG, 1)
     eng = Engine(runner, EngineConfig(max_num_seqs=1, max_model_len=64, page_size=4, compile_ahead=False,
                                       max_compiled_samplers=2))
@@ -119,7 +119,7 @@ def test_compiled_samplers_are_bounded_too():
 
 
 def test_a_dropped_runner_releases_its_executables():
-    """The compiled programs live with their runner (engine.jitted_step): an engine and its runner dropped leave
+    """The compiled programs live with their runner (step_programs.jitted_step): an engine and its runner dropped leave
     no live executable behind (a module-level registry once kept every runner a process had used, and a notebook
     or benchmark making engine after engine ran out of memory mappings)."""
     before = _live()

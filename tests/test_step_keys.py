@@ -1,5 +1,5 @@
 """A small, fixed set of compiled model steps (issue 18 item 1): how rows choose their tokens (greedy, temperature,
-top-k, top-p, logprobs, logit_bias, grammar masks) is the sampler's business (engine.choose_tokens, keyed by
+top-k, top-p, logprobs, logit_bias, grammar masks) is the sampler's business (step_programs.choose_tokens, keyed by
 SamplerKey), so the model step compiles once per (rows, tokens, page-table width) whatever the traffic samples
 with, and each request's tokens are still those of its solo run."""
 

@@ -26,7 +26,7 @@ from flashnext_jax import SamplingParams
 from flashnext_jax import StructuredOutputsParams as SO
 from flashnext_jax import sampling
 from flashnext_jax.device_sampling import SamplingInputs
-from flashnext_jax.engine import with_device_sampling
+from flashnext_jax.step_programs import with_device_sampling
 from flashnext_jax.structured_output import GrammarCompiler, allowed_tokens, apply_token_bitmask
 from flashnext_jax.tokenizer import Tokenizer
 

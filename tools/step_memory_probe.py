@@ -27,7 +27,7 @@ import numpy as np
 from bench import decode_step
 from flashnext_jax import api
 from flashnext_jax.config import from_hf_config
-from flashnext_jax.engine import Batch
+from flashnext_jax.model_runner import Batch
 from flashnext_jax.runner import RealRunner
 from flashnext_jax.state_store import StoreDims, init_store
 
