@@ -1,8 +1,8 @@
 """A request's images as the engine carries them: the vision tower's rows, the MRoPE spans and content hashes.
 
-Why a record per request: the tower runs once, as its own jitted program, before the request's prefill (the
-server runs it on a worker thread, off the engine's lock: `Engine.encode_images`), and its rows stay with the
-request. Every prefill chunk (a chunk may split an image, a
+Why a record per request: the tower runs once per image, as its own jitted program, before the request's prefill
+(the server runs it on a worker thread, off the engine's lock: `Engine.encode_images`; an image seen recently is
+taken from the `EncoderCache`), and its rows stay with the request. Every prefill chunk (a chunk may split an image, a
 preemption recomputes the prompt) takes the rows of the pads it covers from here; no batch row ever holds them
 beyond its step. The spans go into the request's slot (`RealRunner`'s `mrope_spans` leaf, written by the ledger
 when the slot is allocated), so every later step, decodes included, computes its 3-D positions from the slot.
