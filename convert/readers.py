@@ -808,12 +808,7 @@ class Checkpoint:
                 wrong.append(f"{name} is {list(e.shape)}{' (quantized, [..., in, out])' if e.quant else ''}, "
                              f"expected {list(want)}")
         missing = [name for name, sp in expected.items() if name not in got and not sp.optional]
-        problems = [f"{label} {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
-                    for label, items in (("missing tensor" + ("s" if len(missing) > 1 else ""), missing),
-                                         ("unexpected tensor" + ("s" if len(unexpected) > 1 else ""), unexpected),
-                                         ("shape mismatch:", wrong)) if items]
-        if problems:  # one error listing every problem
-            raise ConvertError("; ".join(problems))
+        _raise_tensor_problems(missing, unexpected, wrong)
         ple = specmod.ple_layers(self.text_config)
         if ple:
             want = specmod.ngram_table_shape(self.text_config)
@@ -847,12 +842,7 @@ class Checkpoint:
         unexpected = [f"{e.sources[0]} (canonical {n})" for n, e in got.items() if n not in expected]
         wrong = [f"{n} is {list(e.shape)}, expected {list(expected[n])}" for n, e in got.items()
                  if n in expected and tuple(e.shape) != expected[n]]
-        problems = [f"vision tower: {label} {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
-                    for label, items in (("missing tensor" + ("s" if len(missing) > 1 else ""), missing),
-                                         ("unexpected tensor" + ("s" if len(unexpected) > 1 else ""), unexpected),
-                                         ("shape mismatch:", wrong)) if items]
-        if problems:
-            raise ConvertError("; ".join(problems))
+        _raise_tensor_problems(missing, unexpected, wrong, "vision tower: ")
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
         for e in self.entries:
@@ -862,6 +852,16 @@ class Checkpoint:
     def source_bytes(self) -> int:
         return (sum(e.source_bytes for e in self.entries + self.vision)
                 + (self.ngram.nbytes if self.ngram else 0))
+
+
+def _raise_tensor_problems(missing: list[str], unexpected: list[str], wrong: list[str], prefix: str = "") -> None:
+    """One ConvertError listing every missing, unexpected and misshapen tensor (up to 12 of each), if any."""
+    problems = [f"{prefix}{label} {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
+                for label, items in (("missing tensor" + ("s" if len(missing) > 1 else ""), missing),
+                                     ("unexpected tensor" + ("s" if len(unexpected) > 1 else ""), unexpected),
+                                     ("shape mismatch:", wrong)) if items]
+    if problems:
+        raise ConvertError("; ".join(problems))
 
 
 def open_checkpoint(path: str) -> Checkpoint:

@@ -147,7 +147,9 @@ class LLM:
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
         self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
-        self.processor = self._processor(mm_processor_kwargs)
+        self.processor = None  # None: the checkpoint's preprocessor_config.json
+        if mm_processor_kwargs is not None:  # its resize bounds replaced for every request
+            self.processor = self.processor_for(mm_processor_kwargs)
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.runner.vocab_size)
         self.engine = Engine(self.runner, cfg, grammar_compiler=grammars)
         self.runner = self.engine.runner  # qsa_kv_offload=True: the runner with its K/V in host memory
@@ -180,16 +182,12 @@ class LLM:
                            max_pixels=max_pixels or DEFAULT_MAX_IMAGE_PIXELS,
                            allowed_domains=frozenset(d.lower() for d in domains or ()))
 
-    def _processor(self, kwargs: dict | None):
-        """The image processor config mm_processor_kwargs makes (None: the checkpoint's)."""
-        if kwargs is None:
-            return None
+    def _checkpoint_processor(self):
+        """The checkpoint's image processor config (preprocessor_config.json); a ValueError without one."""
         tower = getattr(getattr(self.runner, "model", None), "vision", None)
         if self.media.refusal is not None or tower is None or tower.processor is None:
             raise ValueError("mm_processor_kwargs: this model takes no images")
-        from .vision_preprocess import with_processor_kwargs
-
-        return with_processor_kwargs(tower.processor, kwargs)  # a ValueError names what is wrong
+        return tower.processor
 
     # ---- requests
     def image_prompt(self, token_ids: Sequence[int], images: Sequence,
@@ -211,7 +209,7 @@ class LLM:
             return self.processor
         from .vision_preprocess import with_processor_kwargs
 
-        return with_processor_kwargs(self.processor or self._processor({}), mm_processor_kwargs)
+        return with_processor_kwargs(self.processor or self._checkpoint_processor(), mm_processor_kwargs)
 
     def _image_prompt(self, prompt: dict):
         """A dict prompt -> (text or ids, its api.ImageInput or None)."""

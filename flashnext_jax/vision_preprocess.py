@@ -88,15 +88,21 @@ def load_processor_config(path: str | Path) -> ImageProcessorConfig:
 PROCESSOR_KWARGS = ("min_pixels", "max_pixels", "size")  # what mm_processor_kwargs may set (vLLM's names)
 
 
-def with_processor_kwargs(cfg: ImageProcessorConfig, kwargs: dict) -> ImageProcessorConfig:
-    """The config with vLLM's `mm_processor_kwargs` applied: the resize bounds `min_pixels` / `max_pixels`, or
-    transformers' `size` {"shortest_edge": min, "longest_edge": max}. Anything else is refused (not ignored)."""
+def check_processor_kwargs_names(kwargs) -> None:
+    """mm_processor_kwargs is a JSON object of PROCESSOR_KWARGS names (its values need the model's processor:
+    `with_processor_kwargs`)."""
     if not isinstance(kwargs, dict):
         raise PreprocessError(f"mm_processor_kwargs must be a JSON object, got {kwargs!r}")
     unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
     if unknown:
         raise PreprocessError(f"mm_processor_kwargs: {', '.join(unknown)} not supported (supported: "
                               f"{', '.join(PROCESSOR_KWARGS)})")
+
+
+def with_processor_kwargs(cfg: ImageProcessorConfig, kwargs: dict) -> ImageProcessorConfig:
+    """The config with vLLM's `mm_processor_kwargs` applied: the resize bounds `min_pixels` / `max_pixels`, or
+    transformers' `size` {"shortest_edge": min, "longest_edge": max}. Anything else is refused (not ignored)."""
+    check_processor_kwargs_names(kwargs)
     size = kwargs.get("size") or {}
     if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
         raise PreprocessError(f"mm_processor_kwargs: size takes shortest_edge and longest_edge, got {size!r}")

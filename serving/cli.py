@@ -138,13 +138,13 @@ def _mm_limits(text: str) -> dict:
 
 
 def _processor_kwargs(text: str) -> dict:
-    from flashnext_jax.vision_preprocess import PROCESSOR_KWARGS
+    from flashnext_jax.vision_preprocess import check_processor_kwargs_names
 
     value = _json_object(text)
-    unknown = sorted(set(value) - set(PROCESSOR_KWARGS))
-    if unknown:  # the values are checked against the model's processor once it has loaded
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)} not supported (supported: "
-                                         f"{', '.join(PROCESSOR_KWARGS)})")
+    try:  # the names now; the values against the model's processor once it has loaded
+        check_processor_kwargs_names(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
