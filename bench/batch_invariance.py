@@ -97,10 +97,10 @@ def prompt_lengths(plan: dict) -> list[int]:
     return [spread[7], spread[6], spread[0], spread[3], spread[5], spread[1], spread[4], spread[2]]
 
 
-def make_llm(model, mode: bool, plan: dict) -> LLM:
+def make_llm(model, mode: bool, plan: dict, rows: int = NUM_PROMPTS) -> LLM:
     ps, mml = plan["page_size"], plan["max_model_len"]
-    pages = NUM_PROMPTS * -(-mml // ps) + 8  # every row at max_model_len, and slack (never 0.9 of the device)
-    return LLM(RandomPleRunner(model, 0), max_num_seqs=NUM_PROMPTS, max_num_batched_tokens=plan["chunk"],
+    pages = rows * -(-mml // ps) + 8  # every row at max_model_len, and slack (never 0.9 of the device)
+    return LLM(RandomPleRunner(model, 0), max_num_seqs=rows, max_num_batched_tokens=plan["chunk"],
                max_model_len=mml, page_size=ps, block_size=ps, num_pages=pages, num_snapshots=2,
                enable_prefix_caching=False, prefill_buckets=(plan["chunk"],), page_table_width="max",
                compile_ahead=False, batch_invariant=mode)
@@ -326,12 +326,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=480,
                     help="skip the work left once this many seconds have passed since the start (the JSON is\n"
                          "written after every part)")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="the decode timing only, on an engine of max_num_seqs = 2 (half the step shapes to compile:\n"
+                         "the fast mode's side of the cost at the real size, where one call holds one mode)")
+    ap.add_argument("--merge", default=None,
+                    help="comma-separated JSONs of earlier runs (e.g. one per mode, same machine): their rows and\n"
+                         "timings in one JSON with the summary of all; nothing runs")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT or bench/results, batch_invariance.json)")
     return ap.parse_args(argv)
 
 
+def merge(paths: list[str], out: str | None) -> dict:
+    """One result from runs that each held some of the modes (the real size compiles one mode per device call)."""
+    runs = [json.load(open(p)) for p in paths]
+    devices = {r["device"] for r in runs}
+    if len(devices) != 1:
+        raise SystemExit(f"--merge: runs on different devices {sorted(devices)}: their timings don't compare")
+    rows = [row for r in runs for row in r["rows"]]
+    timing = {m: {int(b.split("=")[1]): v for b, v in t.items()} for r in runs for m, t in r["timing_ms"].items()}
+    modes = [m for m in MODES if m in timing]
+    summary = summarize(rows, timing, modes)
+    keep = {k: runs[0][k] for k in ("config", "tiny")}
+    path = save_result("batch_invariance.json", rows, out, summary=summary, merged_from=[
+        {k: r.get(k) for k in ("date", "device", "engines", "compile", "build_s", "timing_rounds", "total_s",
+                               "decode_profile_b1")} | {"path": os.path.basename(p)} for p, r in zip(paths, runs)],
+        timing_ms={m: {f"B={b}": v for b, v in t.items()} for m, t in timing.items()}, **keep)
+    print(f"wrote {path}\nsummary {json.dumps(summary)}\n")
+    print(table(summary, rows))
+    return dict(summary=summary, rows=rows, path=path)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.merge:
+        return merge([p for p in args.merge.split(",") if p], args.out)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
     logging.getLogger("flashnext_jax").setLevel(logging.INFO)  # the engine's compiles
     t_start = time.perf_counter()
@@ -360,7 +388,7 @@ def main(argv=None) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=plan["tokens"], ignore_eos=True, logprobs=5)
     sp_timing = SamplingParams(temperature=0.0, max_tokens=plan["warm"] + plan["steps"] + 4, ignore_eos=True)
 
-    lms = {m: make_llm(model, MODES[m], plan) for m in modes}
+    lms = {m: make_llm(model, MODES[m], plan, max(BATCHES) if args.timing_only else NUM_PROMPTS) for m in modes}
     compile_info = precompile(lms, [sp, sp_timing], args.compile_threads, expired)
     engines = {m: dict(batch_invariant=MODES[m], page_table_width=lm.engine.max_pages_per_row,
                        num_pages=lm.engine.cfg.num_pages, prefill_align=lm.engine.sched.cfg.prefill_align,
@@ -380,7 +408,8 @@ def main(argv=None) -> dict:
                                        layer_types=list(cfg.layer_types), ple_layers=list(cfg.ple_layers),
                                        dtype="bfloat16", max_num_seqs=NUM_PROMPTS, prompt_lengths=lengths,
                                        logprobs=5, seed=args.seed, **plan),
-                           engines=engines, compile=compile_info, build_s=build_s, timing_rounds=timing_rounds,
+                           engines=engines, compile=compile_info, timing_only=args.timing_only, build_s=build_s,
+                           timing_rounds=timing_rounds,
                            timing_ms={m: {f"B={b}": v for b, v in t.items()} for m, t in timing.items()},
                            decode_profile_b1=profiles,
                            total_s=time.perf_counter() - t_start)
@@ -426,7 +455,7 @@ def main(argv=None) -> dict:
         device_profile.print_summary(prof, f"{m} B=1 x {args.profile_steps} steps")
     save()
 
-    for m, lm in lms.items():
+    for m, lm in (() if args.timing_only else lms.items()):
         solos: list[dict | None] = [None] * NUM_PROMPTS
         try:
             t0 = time.perf_counter()

@@ -6,6 +6,10 @@
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 #   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
+#   bash bench/device_checks.sh invariance48 invariant|fast
+#                                            # issue 19 at the real size (48 layers, 512 experts; needs_h200), one
+#                                            # mode per call (each compiles ~4-6 min); then on this machine
+#                                            # bench/batch_invariance.py --merge the two JSONs for the cost
 #   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
 #   bash bench/device_checks.sh longctx      # issue 14's report on the H200 (512 experts; needs_h200): TTFT/decode at
 #                                            # 4K-262K in the default (batch-invariant) mode, first vs second 32K
@@ -92,9 +96,19 @@ case "${1:-}" in
       grep -o "updated_allocs=[0-9]*" "$OUT/order_${engines/,/_}.log" | sort | uniq -c | sort -rn | head -5
       grep "^plain \|^async " "$OUT/order_${engines/,/_}.log"
     done ;;
+  invariance48)
+    case "${2:-}" in
+      invariant) MODE_ARGS="--modes invariant" ;;
+      fast) MODE_ARGS="--modes non_invariant --timing-only" ;;
+      *) echo "usage: $0 invariance48 invariant|fast" >&2; exit 2 ;;
+    esac
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 580 python3 bench/batch_invariance.py --layers 48 --experts 512 \
+        --compile-threads 8 --deadline-s 520 $MODE_ARGS --out "$OUT/batch_invariance_48layers_$2.json" \
+        > "$OUT/bi48_$2.log" 2>&1
+    echo "batch_invariance 48 layers $2 rc=$?"; grep -v "compiling\|compiled run" "$OUT/bi48_$2.log" | tail -n 25 ;;
   prefill)
     timeout 400 python3 bench/invariant_prefill.py --layers 4 --reps 3 --out "$OUT/invariant_prefill.json" \
         > "$OUT/invariant_prefill.log" 2>&1
     echo "invariant_prefill rc=$?"; grep -v "compiling engine\|INFO" "$OUT/invariant_prefill.log" | tail -n 8 ;;
-  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|prefill|longctx|cmdbuf|order" >&2; exit 2 ;;
+  *) echo "usage: $0 invariance|offload|invariance12|async|kinds|probe48|probe48async|invariance48|prefill|longctx|cmdbuf|order" >&2; exit 2 ;;
 esac
