@@ -24,7 +24,7 @@ from pallas_kernels import fixed_order
 
 from .engine import Engine, EngineConfig
 from .model_runner import ModelRunner
-from .media import DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
+from .media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
 from .sampling import SamplingParams, TokenLogprob
 from .scheduler import Request
 from .structured_output import GrammarCompiler
@@ -97,7 +97,8 @@ class LLM:
                  precompile_sampling: Sequence[SamplingParams] = (),
                  pipeline_parallel_size: int = 1, pp_layer_partition: Sequence[int] | None = None,
                  limit_mm_per_prompt: dict | None = None, allowed_media_domains: Sequence[str] | None = None,
-                 max_image_pixels: int | None = None, mm_processor_kwargs: dict | None = None, **engine_kwargs):
+                 max_image_pixels: int | None = None, max_image_bytes: int | None = None,
+                 mm_processor_kwargs: dict | None = None, **engine_kwargs):
         """model: a checkpoint directory, a loaded `api.Model`, a ModelRunner, "toy" (the exact toy oracle of the
         tests), or None: the embedded demo model (flashnext_jax/demo_model/).
 
@@ -112,9 +113,11 @@ class LLM:
         with a vision tower, docs/vision.md), as vLLM's: limit_mm_per_prompt={"image": N} images per prompt at most
         (default: RealRunner's 8 image slots), allowed_media_domains: hosts http(s) image URLs may be fetched from
         (default: none, data: URLs only); max_image_pixels: of one image as decoded (default: Pillow's
-        decompression-bomb threshold, 89,478,485); mm_processor_kwargs: the image processor's resize bounds instead
-        of preprocessor_config.json's, {"min_pixels": .., "max_pixels": ..} (or transformers' "size"), as vLLM's
-        (an image's tokens grow with its pixels). engine_kwargs: further EngineConfig fields, e.g.
+        decompression-bomb threshold, 89,478,485); max_image_bytes: of one image as encoded, a data: URL's payload
+        or an http(s) download, refused before it is decoded or downloaded whole (default: OpenAI's 20 MiB per
+        image); mm_processor_kwargs: the image processor's resize bounds instead of preprocessor_config.json's,
+        {"min_pixels": .., "max_pixels": ..} (or transformers' "size"), as vLLM's (an image's tokens grow with its
+        pixels). engine_kwargs: further EngineConfig fields, e.g.
         qsa_kv_offload=True: the QSA K/V pages in pinned host memory (docs/long-context.md)."""
         k = 0
         if speculative_config:
@@ -146,7 +149,7 @@ class LLM:
                            page_size=page_size or block_size, num_snapshots=num_snapshots,
                            pipeline_delay=pipeline_delay or 0, gpu_memory_utilization=gpu_memory_utilization,
                            **engine_kwargs)
-        self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels)
+        self.media = self._media_limits(max_images, allowed_media_domains, max_image_pixels, max_image_bytes)
         self.processor = None  # None: the checkpoint's preprocessor_config.json
         if mm_processor_kwargs is not None:  # its resize bounds replaced for every request
             self.processor = self.processor_for(mm_processor_kwargs)
@@ -168,7 +171,7 @@ class LLM:
         return self.tokenizer
 
     def _media_limits(self, max_images: int | None, domains: Sequence[str] | None,
-                      max_pixels: int | None) -> MediaLimits:
+                      max_pixels: int | None, max_bytes: int | None) -> MediaLimits:
         slots = getattr(self.runner, "max_images", 0)  # a RealRunner's image slots (0: no vision tower)
         refusal = None
         if not hasattr(self.runner, "encode_images"):  # the toy model, pipeline stages (docs/vision.md)
@@ -180,6 +183,7 @@ class LLM:
                              "request (RealRunner(max_images_per_prompt=))")
         return MediaLimits(max_images=slots if max_images is None else max_images, refusal=refusal,
                            max_pixels=max_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+                           max_image_bytes=max_bytes or DEFAULT_MAX_IMAGE_BYTES,
                            allowed_domains=frozenset(d.lower() for d in domains or ()))
 
     def _checkpoint_processor(self):

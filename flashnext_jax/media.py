@@ -6,9 +6,11 @@ thing offline and online. A content part is `{"type": "text", "text": ...}`, `{"
 vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
 
 The limits act before the expensive part, since the input is untrusted: the image count before any image is
-decoded, an image's pixel count from its header before its pixels are (a small PNG can declare a huge canvas), and
-http(s) URLs only from domains the operator names (a server may have no network, and fetching any URL a client
-sends lets clients probe the server's network).
+decoded, an image's encoded bytes before they are decoded or downloaded whole (a data: URL's size from its base64
+length, a download's from its Content-Length and then from what has arrived), an image's pixel count from its
+header before its pixels are (a small PNG can declare a huge canvas), and http(s) URLs only from domains the
+operator names (a server may have no network, and fetching any URL a client sends lets clients probe the server's
+network).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from PIL import Image
 
 # Pillow's own decompression-bomb threshold (it warns above it and refuses above twice it): the default pixel cap
 DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+# OpenAI's limit on one image's encoded size (20 MB per image in its vision guide): the default byte cap
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 
 
 class MediaError(ValueError):
@@ -35,11 +39,13 @@ class MediaError(ValueError):
 class MediaLimits:
     """What image input an engine takes. `max_images`: per prompt (vLLM's limit_mm_per_prompt["image"]);
     `refusal`: why this engine takes no images at all (no vision tower), None when it takes them;
-    `max_pixels`: of one image as decoded, before the processor resizes it; `allowed_domains`: hosts http(s) image
-    URLs may name (empty: none, only data: URLs)."""
+    `max_pixels`: of one image as decoded, before the processor resizes it; `max_image_bytes`: of one image as
+    encoded (a data: URL's decoded payload, an http(s) download); `allowed_domains`: hosts http(s) image URLs may
+    name (empty: none, only data: URLs)."""
     max_images: int
     refusal: str | None = None
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     allowed_domains: frozenset[str] = frozenset()
     fetch_timeout_s: float = 10.0
 
@@ -49,6 +55,12 @@ class MediaLimits:
         if n > self.max_images:
             raise MediaError(f"at most {self.max_images} image(s) may be provided in one prompt, got {n} "
                              "(--limit-mm-per-prompt)")
+
+    def check_bytes(self, n: int, where: str, what: str) -> None:
+        """n: an image's encoded bytes, or those of it seen so far; what: how the message names them."""
+        if n > self.max_image_bytes:
+            raise MediaError(f"{where}: {what} {n} bytes, more than the {self.max_image_bytes} allowed for one image "
+                             "(--max-image-bytes)")
 
     def check_size(self, image: Image.Image, where: str = "image") -> None:
         if not isinstance(image, Image.Image):
@@ -131,22 +143,25 @@ def load_image_url(url: str, limits: MediaLimits, where: str = "image_url") -> I
     """A data: URL (base64), or an http(s) URL of an allowed domain (fetched with httpx) -> the decoded image."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return decode_image(_data_url_bytes(url, where), limits, where)
+        return decode_image(_data_url_bytes(url, limits, where), limits, where)
     if scheme in ("http", "https"):
         return decode_image(_fetch(url, limits, where), limits, where)
     raise MediaError(f"{where}: unsupported image URL scheme {scheme or url[:16]!r}: send a "
                      "data:image/...;base64,... URL (or http(s) from a domain in --allowed-media-domains)")
 
 
-def _data_url_bytes(url: str, where: str) -> bytes:
-    header, comma, payload = url[len("data:"):].partition(",")
-    media_type, *params = header.split(";")
-    if not comma or "base64" not in params:
+def _data_url_bytes(url: str, limits: MediaLimits, where: str) -> bytes:
+    comma = url.find(",")
+    media_type, *params = url[len("data:"):comma if comma >= 0 else len(url)].split(";")
+    if comma < 0 or "base64" not in params:
         raise MediaError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)")
     if not media_type.lower().startswith("image/"):
         raise MediaError(f"{where}: the data: URL's media type {media_type!r} is not an image type")
+    # the decoded size from the payload's length, before the payload is copied or decoded
+    padding = 2 if url.endswith("==") else 1 if url.endswith("=") else 0
+    limits.check_bytes((len(url) - comma - 1) * 3 // 4 - padding, where, "the data: URL's image is")
     try:
-        return base64.b64decode(payload, validate=True)
+        return base64.b64decode(url[comma + 1:], validate=True)
     except (binascii.Error, ValueError):
         raise MediaError(f"{where}: the data: URL's payload is not valid base64") from None
 
@@ -161,11 +176,18 @@ def _fetch(url: str, limits: MediaLimits, where: str) -> bytes:
     import httpx
 
     try:  # no redirects: a redirect could leave the allowed domains
-        response = httpx.get(url, timeout=limits.fetch_timeout_s, follow_redirects=False)
-        response.raise_for_status()
+        with httpx.stream("GET", url, timeout=limits.fetch_timeout_s, follow_redirects=False) as response:
+            response.raise_for_status()
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit():  # refused before any of the body is read
+                limits.check_bytes(int(declared), where, "the image's Content-Length is")
+            data = bytearray()
+            for chunk in response.iter_bytes():  # a server may omit Content-Length or send more than it says
+                data += chunk
+                limits.check_bytes(len(data), where, "the image's download was stopped at")
     except httpx.HTTPError as e:
         raise MediaError(f"{where}: fetching the image failed: {e}") from None
-    return response.content
+    return bytes(data)
 
 
 def decode_image(data: bytes, limits: MediaLimits, where: str = "image") -> Image.Image:

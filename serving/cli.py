@@ -104,6 +104,10 @@ def add_serve_parser(sub, parents=()) -> None:
     p.add_argument("--max-image-pixels", type=int, default=None,
                    help="pixels of one image as decoded, before the processor resizes it; larger images are a 400 "
                         "(default: Pillow's decompression-bomb threshold, 89,478,485; not a vLLM flag)")
+    p.add_argument("--max-image-bytes", type=_positive_int, default=None,
+                   help="bytes of one image as encoded (a data: URL's payload, an http(s) download); larger images "
+                        "are a 400 before they are decoded or downloaded whole (default: OpenAI's per-image limit, "
+                        "20 MiB = 20971520; not a vLLM flag)")
     p.add_argument("--mm-processor-kwargs", type=_processor_kwargs, default=None,
                    help='the image processor\'s resize bounds instead of preprocessor_config.json\'s, as JSON: '
                         '\'{"max_pixels": 1003520}\' (min_pixels, max_pixels, or "size": {"shortest_edge", '
@@ -145,6 +149,16 @@ def _processor_kwargs(text: str) -> dict:
         check_processor_kwargs_names(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -244,8 +258,8 @@ def serve(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, precompile=args.precompile,
               precompile_sampling=[default_sampling(defaults)], limit_mm_per_prompt=args.limit_mm_per_prompt,
               allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels,
-              mm_processor_kwargs=args.mm_processor_kwargs, batch_invariant=args.batch_invariant,
-              qsa_kv_offload=args.qsa_kv_offload,
+              max_image_bytes=args.max_image_bytes, mm_processor_kwargs=args.mm_processor_kwargs,
+              batch_invariant=args.batch_invariant, qsa_kv_offload=args.qsa_kv_offload,
               async_scheduling=args.async_scheduling, **pipeline_kwargs(args),
               **({} if args.prefill_buckets is None else {"prefill_buckets": args.prefill_buckets}))
     if args.chat_template:

@@ -32,12 +32,15 @@ META = json.loads((Path(__file__).parent / "fixtures" / "reference_vision.json")
 SHAPES = dict(max_model_len=256, page_size=8, max_num_batched_tokens=32, prefill_buckets=(32,), min_batch_bucket=4,
               page_table_width="max", num_pages=160, min_pool_capacity=(4, 160, 64))
 MAX_PIXELS = 128 * 128  # the fixture chats' images are at most 123 x 47; "large" (300 x 200) is over it
+MAX_BYTES = 256 * 1024  # the fixture images' PNGs are at most 173,267 bytes ("large")
 
 
-def png_url(pixels: np.ndarray) -> str:
+def png_url(pixels: np.ndarray, size: int | None = None) -> str:
+    """A PNG data: URL; size: its decoded bytes, zeros after the PNG's end (decoders stop there) making them up."""
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    data = buf.getvalue()
+    return "data:image/png;base64," + base64.b64encode(data + b"\0" * ((size or len(data)) - len(data))).decode()
 
 
 def image_part(url: str) -> dict:
@@ -53,7 +56,7 @@ def openai_messages(chat: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def base():
     llm = fj.LLM(None, dtype="float32", max_num_seqs=2, limit_mm_per_prompt={"image": 2},
-                 max_image_pixels=MAX_PIXELS, **SHAPES)
+                 max_image_pixels=MAX_PIXELS, max_image_bytes=MAX_BYTES, **SHAPES)
     with uvicorn_server(create_app(llm, "demo")) as url:
         yield url
 
@@ -137,6 +140,17 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(client, parts, needle)
     assert small.usage.completion_tokens == 1
 
 
+def test_an_image_at_the_byte_cap_is_taken_and_one_byte_over_is_a_400(client):
+    at_cap = ask(client, [{"role": "user", "content": [image_part(png_url(REF["image/tiny"], MAX_BYTES))]}],
+                 max_tokens=1)
+    assert at_cap.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, [{"role": "user", "content": [image_part(png_url(REF["image/tiny"], MAX_BYTES + 1))]}])
+    assert e.value.status_code == 400 and e.value.body["code"] == 400 and e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["message"] == (f"messages[0].content[0]: the data: URL's image is {MAX_BYTES + 1} bytes, "
+                                       f"more than the {MAX_BYTES} allowed for one image (--max-image-bytes)")
+
+
 def test_serve_flags_reach_the_engine(monkeypatch):
     """vLLM's flag names and formats: --limit-mm-per-prompt JSON, --allowed-media-domains a list."""
     import flashnext_jax.llm
@@ -153,19 +167,26 @@ def test_serve_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(serving.cli, "configure_compilation_cache", lambda option: None)
     args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 3, "video": 0}',
                                       "--allowed-media-domains", "upload.wikimedia.org", "example.com",
-                                      "--max-image-pixels", "1000000",
+                                      "--max-image-pixels", "1000000", "--max-image-bytes", "5000000",
                                       "--mm-processor-kwargs", '{"max_pixels": 50000}'])
     with pytest.raises(Built) as e:
         args.func(args)
     kw = e.value.args[0]
     assert kw["limit_mm_per_prompt"] == {"image": 3, "video": 0} and kw["max_image_pixels"] == 1000000
+    assert kw["max_image_bytes"] == 5000000
     assert kw["allowed_media_domains"] == ["upload.wikimedia.org", "example.com"]
     assert kw["mm_processor_kwargs"] == {"max_pixels": 50000}
 
 
-def test_a_bad_mm_processor_kwargs_flag_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--mm-processor-kwargs", '{"fps": 2}', "fps not supported"),
+    ("--max-image-bytes", "0", "argument --max-image-bytes: must be >= 1, got 0"),
+    ("--max-image-bytes", "20MiB", "argument --max-image-bytes: must be an integer, got '20MiB'"),
+])
+def test_a_bad_media_flag_is_one_line_and_exit_2(capsys, flag, value, needle):
     from flashnext_jax.cli import build_parser
 
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["serve", "--mm-processor-kwargs", '{"fps": 2}'])
-    assert e.value.code == 2 and "fps not supported" in capsys.readouterr().err
+        build_parser().parse_args(["serve", flag, value])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert e.value.code == 2 and len(errors) == 1 and needle in errors[0]

@@ -1,17 +1,26 @@
 """Vision input (issue 21) against transformers (tests/fixtures/reference_vision.*, `tools/make_fixtures.py --vision`):
-the image processor bit for bit, the vision tower and image chats on the demo model to 1e-4, greedy text equal."""
+the image processor bit for bit, the vision tower and image chats on the demo model to 1e-4, greedy text equal; and
+the byte cap on one image's encoded bytes (data: URLs, and downloads from a loopback HTTP server)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import http.server
+import io
 import json
+import re
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from flashnext_jax import media
 from flashnext_jax.api import DEMO_MODEL
+from flashnext_jax.media import MediaError, MediaLimits, load_image_url
 from flashnext_jax.vision_preprocess import (PreprocessError, expand_image_tokens, load_processor_config,
                                              preprocess_images, smart_resize)
 
@@ -167,3 +176,112 @@ def test_image_input_errors_are_clear(model_fp32):
     assert text_model.vision is None
     with pytest.raises(ValueError, match="no vision tower"):
         text_model.generate([1, 2], 1, images=images)
+
+
+# --- the byte cap on one image's encoded bytes (flashnext_jax/media.py, --max-image-bytes) ---
+
+
+def png_bytes(name: str, pad: int = 0) -> bytes:
+    """The fixture image as PNG, `pad` zero bytes after its end (decoders stop at IEND): any byte count."""
+    buf = io.BytesIO()
+    image(name).save(buf, format="PNG")
+    return buf.getvalue() + b"\0" * pad
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2])  # the payload's three paddings: "", "=", "=="
+def test_a_data_url_at_the_byte_cap_decodes_and_one_byte_over_is_refused_before_decoding(monkeypatch, pad):
+    data = png_bytes("tiny", pad)
+    url = data_url(data)
+    decoded = load_image_url(url, MediaLimits(max_images=1, max_image_bytes=len(data)))
+    np.testing.assert_array_equal(np.asarray(decoded), REF["image/tiny"])
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("an oversized data: URL reached base64.b64decode")
+
+    monkeypatch.setattr(media.base64, "b64decode", no_decoding)
+    with pytest.raises(MediaError) as e:
+        load_image_url(url, MediaLimits(max_images=1, max_image_bytes=len(data) - 1), "messages[0].content[0]")
+    assert str(e.value) == (f"messages[0].content[0]: the data: URL's image is {len(data)} bytes, more than the "
+                            f"{len(data) - 1} allowed for one image (--max-image-bytes)")
+
+
+def test_the_default_byte_cap_is_openais_20_mib():
+    assert MediaLimits(max_images=1).max_image_bytes == 20 * 1024 * 1024
+
+
+UNSIZED_ZEROS = 16 * 1024 * 1024
+
+
+class _ImageHandler(http.server.BaseHTTPRequestHandler):
+    """/png: the tiny PNG with its Content-Length; /unsized: the tiny PNG and UNSIZED_ZEROS zeros after it (still a
+    decodable image) without a Content-Length (HTTP/1.0: the body ends when the connection does); /huge: a
+    Content-Length of a terabyte, and no body until the test is over (a client that reads the body would wait for
+    it, then time out)."""
+    done = threading.Event()
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        try:
+            if self.path == "/png":
+                self.send_header("Content-Length", str(len(png_bytes("tiny"))))
+                self.end_headers()
+                self.wfile.write(png_bytes("tiny"))
+            elif self.path == "/unsized":
+                self.end_headers()
+                self.wfile.write(png_bytes("tiny"))
+                for _ in range(UNSIZED_ZEROS // 65536):
+                    self.wfile.write(b"\0" * 65536)
+            elif self.path == "/huge":
+                self.send_header("Content-Length", str(10 ** 12))
+                self.end_headers()
+                self.wfile.flush()
+                self.done.wait(30)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client stopped reading: what the cap is for
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    _ImageHandler.done.set()
+    server.shutdown()
+    server.server_close()
+
+
+def _fetch_limits(max_image_bytes: int) -> MediaLimits:
+    return MediaLimits(max_images=1, allowed_domains=frozenset({"127.0.0.1"}), max_image_bytes=max_image_bytes,
+                       fetch_timeout_s=2.0)
+
+
+def test_an_allowed_download_within_the_byte_cap_decodes(image_server):
+    limits = _fetch_limits(len(png_bytes("tiny")))
+    np.testing.assert_array_equal(np.asarray(load_image_url(image_server + "/png", limits)), REF["image/tiny"])
+
+
+def test_a_download_without_content_length_is_stopped_once_past_the_byte_cap(image_server):
+    with pytest.raises(MediaError) as e:
+        load_image_url(image_server + "/unsized", _fetch_limits(1000))
+    got = re.fullmatch(r"image_url: the image's download was stopped at (\d+) bytes, more than the 1000 allowed "
+                       r"for one image \(--max-image-bytes\)", str(e.value))
+    assert got and int(got[1]) < UNSIZED_ZEROS // 4  # stopped soon after the cap, not at the body's end
+
+
+def test_a_content_length_over_the_byte_cap_is_refused_without_reading_the_body(image_server):
+    """/huge sends no body: reading it would time out (a different message) instead of this refusal."""
+    start = time.monotonic()
+    with pytest.raises(MediaError, match=r"the image's Content-Length is 1000000000000 bytes, more than the 1000 "
+                                         r"allowed for one image \(--max-image-bytes\)"):
+        load_image_url(image_server + "/huge", _fetch_limits(1000))
+    assert time.monotonic() - start < 1.5  # under the fetch timeout: no read of the body was waited on
