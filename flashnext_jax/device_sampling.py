@@ -6,9 +6,10 @@ on an H200), and the [B, K1, V] float32 logits must first be copied off the devi
 [B, K1, V] where they are (1.3 ms for temperature alone even on that CPU), and one token id per column leaves the
 device.
 
-Which rows: sampled rows without penalties of an engine without speculative decoding (`device_sampled` below);
-rejection sampling of MTP drafts and the penalties (which need the token history) stay on the host
-(sampling.py). Greedy rows take the model step's device argmax (step_programs.model_step); this runs in the engine's
+Which rows: sampled rows without penalties (`device_sampled` below). With MTP drafts the device verifies them too
+(`verify_tokens`: rejection sampling of drafts that are the draft head's argmax, as vLLM's MTP / EAGLE proposers
+draft); the penalties (which need the token history) and grammar-constrained rows with drafts (drafted on the host
+from the masked draft distribution) stay on the host (sampling.py). Greedy rows take the model step's device argmax (step_programs.model_step); this runs in the engine's
 sampler (step_programs.choose_tokens), a small program of its own after the model step.
 
 Same steps as `sampling.probs_from_logits`, in float32: x = logits / T; top-k keeps x >= the k-th largest (ties
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +34,22 @@ from pallas_kernels import fixed_order
 from .sampling import SamplingParams
 
 _PURPOSE = 4  # distinct from the host streams' purposes 0..3 (sampling._rng)
+_PURPOSE_VERIFY = 5  # the per-column keys of rows whose drafts the device verifies (verify_tokens)
 
 
 def device_sampled(params: SamplingParams, num_speculative_tokens: int) -> bool:
     """Whether a row with these params samples on the device (see the module docstring)."""
-    return not params.greedy and not params.has_penalties and num_speculative_tokens == 0
+    if params.greedy or params.has_penalties:
+        return False
+    return num_speculative_tokens == 0 or params.structured_outputs is None
 
 
 TOP_CAP = 256  # top-k / top-p first look among the largest TOP_CAP entries (lax.top_k), else sort the row
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["temperature", "top_k", "top_p", "min_p", "key_data"],
-                   meta_fields=["top_k_mode", "use_top_p"])
+                   data_fields=["temperature", "top_k", "top_p", "min_p", "key_data", "drafts"],
+                   meta_fields=["top_k_mode", "use_top_p", "columns"])
 @dataclasses.dataclass(frozen=True)
 class SamplingInputs:
     """Per batch row: the sampling parameters and the key of the row's next output token (padding and rows that do
@@ -54,15 +59,40 @@ class SamplingInputs:
     part of the jitted sampler's key, step_programs.SamplerKey) because the host knows them: a mask is chosen at trace
     time instead of by a `lax.cond` on device values, which made the H200 step's jitted call wait until the step
     had run (bench/results/engine_step_sampling.json). The price is one compiled sampler per combination in use (a
-    small program: the model step does not depend on it)."""
+    small program: the model step does not depend on it).
+
+    `columns` > 0 is the verify form of an engine with MTP drafts (`for_verify_rows`, `verify_tokens`): a key per
+    row and column, and the draft each column tests."""
 
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
     min_p: jax.Array  # [B] float32, 0 = off
-    key_data: jax.Array  # [B, 2] uint32 threefry key data
+    key_data: jax.Array  # [B, 2] uint32 threefry key data; verify form: [B, columns, 2]
     top_k_mode: str = "sort"  # TOP_K_MODES: no row uses top-k / every k <= TOP_CAP / some k > TOP_CAP
     use_top_p: bool = True  # some row uses top-p
+    columns: int = 0  # 0: one key per row (sample_tokens); K1: the verify form (verify_tokens)
+    drafts: jax.Array | None = None  # verify form: [B, columns] int32, the draft token a column tests (-1: none)
+
+    @staticmethod
+    def for_verify_rows(rows: list[tuple[SamplingParams, int, int, Sequence[int]] | None], batch_size: int,
+                        columns: int) -> "SamplingInputs":
+        """The verify form. rows[b] = (params, index of the row's next output token, the column of its last known
+        token, its drafts) or None. Column first + i holds output token index + i: it tests drafts[i] (i < nd) or
+        draws the bonus (i = nd), with the key of that output index, so a token's randomness is its request's
+        alone (not the column, which depends on how the prompt was chunked beside other rows)."""
+        plain = SamplingInputs.for_rows([None if r is None else r[:2] for r in rows], batch_size)
+        key_data = np.zeros((batch_size, columns, 2), np.uint32)
+        drafts = np.full((batch_size, columns), -1, np.int32)
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            p, index, first, row_drafts = row
+            for i in range(len(row_drafts) + 1):
+                key_data[b, first + i] = np.random.SeedSequence(
+                    [p.seed or 0, index + i, _PURPOSE_VERIFY]).generate_state(2, np.uint32)
+            drafts[b, first: first + len(row_drafts)] = row_drafts
+        return dataclasses.replace(plain, key_data=key_data, columns=columns, drafts=drafts)
 
     @staticmethod
     def for_rows(rows: list[tuple[SamplingParams, int] | None], batch_size: int) -> "SamplingInputs":
@@ -81,9 +111,9 @@ class SamplingInputs:
         return SamplingInputs(temperature, top_k, top_p, min_p, key_data, *mask_modes(top_k, top_p))
 
     @property
-    def masks(self) -> tuple[str, bool]:
-        """The static part: which masks the batch's step computes."""
-        return self.top_k_mode, self.use_top_p
+    def masks(self) -> tuple:
+        """The static part: which masks the batch's step computes (and, in the verify form, its columns)."""
+        return (self.top_k_mode, self.use_top_p) + ((self.columns,) if self.columns else ())
 
 
 TOP_K_MODES = ("off", "cap", "sort")
@@ -165,6 +195,39 @@ def sample_tokens(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     return jnp.minimum(idx, v - 1).astype(jnp.int32)
 
 
+def verify_tokens(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling of MTP drafts on the device (inputs in the verify form, `SamplingInputs.for_verify_rows`):
+    logits [B, K1, V] -> (tokens [B, K1] int32, accepted [B, K1] bool). A column that tests draft d (drafted as the
+    draft head's argmax, so q is one-hot at d) accepts it with probability p(d), p the column's masked
+    distribution; its token is then d, else a draw from p without d (max(p - q, 0), renormalised); a column without
+    a draft draws from p (the bonus token, or a prefill row's first token). The host commits drafts up to the first
+    column that rejects and that column's token (`sampling.verify_sampled`), so each token is distributed as p
+    (the standard speculative sampling argument). Each column draws its two uniforms from its own key."""
+    b, k1, v = logits.shape
+    bcast = lambda a: jnp.broadcast_to(a[:, None], (b, k1))  # noqa: E731
+    p = masked_probs(logits, bcast(inputs.temperature), bcast(inputs.top_k), bcast(inputs.top_p),
+                     bcast(inputs.min_p), top_k_mode=inputs.top_k_mode, use_top_p=inputs.use_top_p)
+    keys = jax.vmap(jax.vmap(lambda d: jax.random.wrap_key_data(d, impl="threefry2x32")))(inputs.key_data)
+    uniform = lambda purpose: jax.vmap(jax.vmap(  # noqa: E731
+        lambda k: jax.random.uniform(jax.random.fold_in(k, purpose))))(keys)
+    return verify_with_uniforms(p, inputs.drafts, uniform(0), uniform(1))
+
+
+def verify_with_uniforms(p: jax.Array, drafts: jax.Array, u_accept: jax.Array, u_draw: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """verify_tokens' decision from the probabilities p [B, K1, V], drafts [B, K1] (-1: none) and the columns'
+    uniforms [B, K1] (a function of its own so that tests can give the uniforms)."""
+    v = p.shape[-1]
+    has = drafts >= 0
+    d = jnp.maximum(drafts, 0)
+    p_d = jnp.take_along_axis(p, d[..., None], axis=-1)[..., 0]
+    accepted = has & (u_accept < p_d)
+    resid = jnp.where(has[..., None] & (jnp.arange(v) == d[..., None]), 0.0, p)
+    csum = jnp.cumsum(resid, axis=-1)  # p(d) = 1 leaves nothing: such a column accepts (u < 1), its draw unread
+    draw = jnp.minimum(jnp.sum(csum <= (u_draw * csum[..., -1])[..., None], axis=-1), v - 1).astype(jnp.int32)
+    return jnp.where(accepted, d, draw).astype(jnp.int32), accepted
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "values"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LogitBias:
@@ -217,16 +280,17 @@ class SamplerInputs:
     bias_width: int  # LogitBias NB (0: no bias)
     mask_shape: tuple | None  # (K1, ceil(V/32)) of the grammar masks, None: no constrained row
 
-    SAMPLING_WORDS = 6  # temperature, top_k, top_p, min_p, key_data[2]
-
     @staticmethod
     def pack(inputs: SamplingInputs | None, bias: LogitBias | None, mask: np.ndarray | None
              ) -> "SamplerInputs | None":
         """numpy parts (each may be None) -> one numpy SamplerInputs (device_put later); None when all are None."""
         parts = []
         if inputs is not None:
+            b = inputs.temperature.shape[0]
             parts += [np.stack([inputs.temperature.view(np.int32), inputs.top_k, inputs.top_p.view(np.int32),
-                                inputs.min_p.view(np.int32)], axis=1), inputs.key_data.view(np.int32)]
+                                inputs.min_p.view(np.int32)], axis=1), inputs.key_data.view(np.int32).reshape(b, -1)]
+            if inputs.columns:
+                parts.append(inputs.drafts)
         if bias is not None:
             parts += [bias.ids, bias.values.view(np.int32)]
         if mask is not None:
@@ -242,9 +306,16 @@ class SamplerInputs:
         f32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32)  # noqa: E731
         inputs = bias = mask = None
         if self.sampling is not None:
-            inputs = SamplingInputs(f32(w[:, 0]), w[:, 1], f32(w[:, 2]), f32(w[:, 3]),
-                                    jax.lax.bitcast_convert_type(w[:, 4:6], jnp.uint32), *self.sampling)
-            at = self.SAMPLING_WORDS
+            columns = self.sampling[2] if len(self.sampling) > 2 else 0
+            n_keys = 2 * max(columns, 1)
+            key_data = jax.lax.bitcast_convert_type(w[:, 4: 4 + n_keys], jnp.uint32)
+            at = 4 + n_keys
+            drafts = None
+            if columns:
+                key_data, drafts = key_data.reshape(-1, columns, 2), w[:, at: at + columns]
+                at += columns
+            inputs = SamplingInputs(f32(w[:, 0]), w[:, 1], f32(w[:, 2]), f32(w[:, 3]), key_data, *self.sampling,
+                                    drafts=drafts)
         if self.bias_width:
             nb = self.bias_width
             bias = LogitBias(w[:, at: at + nb], f32(w[:, at + nb: at + 2 * nb]))

@@ -299,10 +299,16 @@ class Engine:
 
     def _sampler_key_of(self, p: sampling.SamplingParams, b: int) -> SamplerKey:
         """The sampler key of a step of b rows whose token-choosing rows all have the parameters p."""
-        masks = mask_modes([max(p.top_k, 0)], [p.top_p]) if device_sampled(p, self.cfg.num_speculative_tokens) \
-            else None
+        masks = None
+        if device_sampled(p, self.cfg.num_speculative_tokens):
+            masks = mask_modes([max(p.top_k, 0)], [p.top_p]) + self._verify_columns()
         bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
         return SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None)
+
+    def _verify_columns(self) -> tuple:
+        """The verify form's part of a sampler key: (K1,) in an engine with MTP drafts, where device-sampled rows
+        verify their drafts on the device (device_sampling.verify_tokens), else ()."""
+        return (self.K1,) if self.cfg.num_speculative_tokens else ()
 
     def _host_samples(self, p: sampling.SamplingParams) -> bool:
         """Whether a row of p chooses its tokens on the host from the raw logits (and draft logits): neither the
@@ -390,9 +396,12 @@ class Engine:
         """Sampler inputs (host arrays) of the types a step of `key` packs."""
         b, v = key.rows, self.runner.vocab_size
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        inputs = None if key.sampling is None else SamplingInputs(
-            np.ones(b, np.float32), z(b), np.ones(b, np.float32), np.zeros(b, np.float32),
-            np.zeros((b, 2), np.uint32), *key.sampling)
+        inputs = None
+        if key.sampling is not None:
+            columns = key.sampling[2] if len(key.sampling) > 2 else 0
+            inputs = SamplingInputs(np.ones(b, np.float32), z(b), np.ones(b, np.float32), np.zeros(b, np.float32),
+                                    np.zeros((b, columns, 2) if columns else (b, 2), np.uint32), *key.sampling,
+                                    drafts=z(b, columns) if columns else None)
         width = key.logit_bias_width
         bias = LogitBias(z(b, width), np.zeros((b, width), np.float32)) if width else None
         mask = z(b, self.K1, -(-v // 32)) if key.grammar else None
@@ -764,8 +773,13 @@ class Engine:
             req = self.requests[r.request_id]
             if r.samples and device_sampled(req.params, k):  # a chained row's token follows its in-flight one
                 rows[r.row] = (req.params, len(req.output) + (r.token_from is not None))
+                if k:  # the verify form: the column of the row's last known token and the drafts after it
+                    first = r.n - 1 - r.num_drafts
+                    rows[r.row] += (first - r.base, r.tokens[first + 1:])
         if not any(rows):
             return None
+        if k:
+            return SamplingInputs.for_verify_rows(rows, t.batch_size, self.K1)
         return SamplingInputs.for_rows(rows, t.batch_size)
 
     def _logit_bias(self, t: StepTicket) -> LogitBias | None:
@@ -860,11 +874,6 @@ class Engine:
         grammar = self.grammars.get(req.request_id)
         if not r.samples:
             accepted_inputs = r.n
-        elif device_sampled(req.params, self.cfg.num_speculative_tokens):  # k = 0: no drafts to verify
-            last = r.n - 1 - r.base
-            sampling.check_finite_flags(host["logits_finite"][r.row, last], req.request_id)
-            new_tokens, token_cols, sampled_on_device = [int(host["logits_sample"][r.row, last])], [last], True
-            accepted_inputs = r.n
         else:
             nd = r.num_drafts
             first = r.n - 1 - nd  # offset of the last known token
@@ -873,6 +882,11 @@ class Engine:
             if on_device:
                 m, new_tokens = sampling.verify_argmax(host["logits_argmax"][r.row, cols],
                                                        host["logits_finite"][r.row, cols], drafts, req.request_id)
+            elif device_sampled(req.params, self.cfg.num_speculative_tokens):
+                m, new_tokens = sampling.verify_sampled(
+                    host["logits_sample"][r.row, cols], host["logits_accept"][r.row, cols] if nd else (),
+                    host["logits_finite"][r.row, cols], drafts, req.request_id)
+                sampled_on_device = True
             else:
                 allowed = None if grammar is None or grammar.step_mask is None else allowed_tokens(
                     grammar.step_mask, self.runner.vocab_size)
@@ -911,7 +925,7 @@ class Engine:
                 return
         nd = min(self.cfg.num_speculative_tokens, host.shape("draft_logits_argmax")[2])
         if nd:
-            if on_device:
+            if on_device or sampled_on_device:  # greedy drafts (the verify form's q is one-hot)
                 drafts, probs = sampling.propose_argmax(host["draft_logits_argmax"][r.row, col, :nd],
                                                         host["draft_logits_finite"][r.row, col, :nd], req.request_id)
             elif grammar is not None and grammar.active:

@@ -25,7 +25,7 @@ class HostOutputs:
 
     # the few-byte outputs come over together, by group: one device_get instead of one sync copy each (the logprob
     # outputs only when a row reads logprobs)
-    GROUPS = (("_argmax", "_finite"), ("_logprob", "_logprobs", "_top_ids"))
+    GROUPS = (("_argmax", "_finite", "_sample", "_accept"), ("_logprob", "_logprobs", "_top_ids"))
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._host:

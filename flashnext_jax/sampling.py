@@ -4,7 +4,8 @@ Determinism: the random stream for output token j of a request is keyed by (seed
 samples do not depend on which other requests share its batch, on batch rows, or on pipeline delay.
 Speculative verification: greedy accepts a draft iff it equals the target argmax (exact); sampled acceptance is
 standard rejection sampling (accept d with prob min(1, p(d)/q(d)), else resample from max(p - q, 0)), so each
-output token is distributed exactly as the target's p.
+output token is distributed exactly as the target's p. Rows without penalties or grammar do that on the device
+(device_sampling.verify_tokens, drafts = the draft head's argmax, q one-hot); `verify` here is the host's.
 """
 
 from __future__ import annotations
@@ -291,6 +292,20 @@ def verify_argmax(argmax: np.ndarray, finite: np.ndarray, drafts: list[int], rid
         if i == len(drafts) or t != drafts[i]:
             return i, list(drafts[:i]) + [t]
     raise AssertionError("unreachable")
+
+
+def verify_sampled(tokens: np.ndarray, accepted, finite: np.ndarray, drafts: list[int], rid: str = "?"
+                   ) -> tuple[int, list[int]]:
+    """`verify` for rows the device samples (device_sampling.verify_tokens, or sample_tokens without drafts), from
+    its per-column tokens [nd + 1], draft acceptances [nd] and all-finite flags [nd + 1]: the drafts up to the first
+    rejected one, then that column's token (its draw from p without the draft; the bonus when none is rejected)."""
+    check_finite_flags(finite, rid)
+    for i, d in enumerate(drafts):
+        if not accepted[i]:
+            return i, list(drafts[:i]) + [int(tokens[i])]
+        if int(tokens[i]) != d:
+            raise AssertionError(f"request {rid}: the device accepted draft {d} at column {i} but gave {tokens[i]}")
+    return len(drafts), list(drafts) + [int(tokens[len(drafts)])]
 
 
 def propose_argmax(argmax: np.ndarray, finite: np.ndarray, rid: str = "?"):

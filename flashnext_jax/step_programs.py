@@ -16,7 +16,7 @@ from pallas_kernels import fixed_order
 
 from . import sampling, token_kinds
 from .compile_ahead import CompileAhead
-from .device_sampling import SamplerInputs, prompt_logprobs, sample_tokens
+from .device_sampling import SamplerInputs, prompt_logprobs, sample_tokens, verify_tokens
 from .model_runner import ModelRunner, PackedBatch, unpacked
 from .step_cache import StepCache
 from .structured_output import apply_token_bitmask
@@ -63,7 +63,9 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
     nothing for it), so the sampler's key (SamplerKey) says which:
 
     * `sampling_inputs` (device_sampling.SamplingInputs): the tokens of the rows that sample on the device
-      ("logits_sample"); which masks it traces (top-k, top-p) is static, part of the key;
+      ("logits_sample"; in the verify form of an engine with MTP drafts, the token each column commits if reached
+      and whether it accepted its draft, "logits_accept": device_sampling.verify_tokens); which masks it traces
+      (top-k, top-p) and the form are static, part of the key;
     * `logit_bias` (device_sampling.LogitBias): added to the logits and draft logits the argmax and the device
       sample choose from (then "logits_argmax" / "draft_logits_argmax" are the biased ones and replace the model
       step's); the raw logits stay raw (the host adds the bias itself where it samples, sampling.apply_logit_bias);
@@ -83,7 +85,9 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
     # model step's)
     changed = ["logits", "draft_logits"] if logit_bias is not None else ["logits"] if token_mask is not None else []
     out = {name + "_argmax": jnp.argmax(chosen_from[name], axis=-1).astype(jnp.int32) for name in changed}
-    if sampling_inputs is not None:
+    if sampling_inputs is not None and sampling_inputs.columns:  # MTP drafts to verify
+        out["logits_sample"], out["logits_accept"] = verify_tokens(chosen_from["logits"], sampling_inputs)
+    elif sampling_inputs is not None:
         out["logits_sample"] = sample_tokens(chosen_from["logits"], sampling_inputs)
     if logprobs:
         x = logits.astype(jnp.float32)
@@ -211,7 +215,8 @@ class SamplerKey(NamedTuple):
     (K1, drafts, vocabulary) are the runner's, so fixed for its StepCache."""
 
     rows: int  # B, as the model step's
-    sampling: tuple | None  # (top_k_mode, use_top_p) of the rows sampled on the device (SamplingInputs.masks); None
+    sampling: tuple | None  # SamplingInputs.masks of the rows sampled on the device (top_k_mode, use_top_p[, the
+    # verify form's columns]); None: no row samples there
     logprobs: bool  # the logsumexp and top-k logprob outputs (a row whose token the device chooses wants logprobs)
     logit_bias_width: int  # (id, bias) pairs per row (device_sampling.LogitBias), 0: no row has a logit_bias
     grammar: bool  # packed grammar masks (some row is constrained)
@@ -219,9 +224,9 @@ class SamplerKey(NamedTuple):
     def describe(self) -> str:
         words = f"the sampler of {self.rows} rows"
         if self.sampling is not None:
-            top_k_mode, use_top_p = self.sampling
+            top_k_mode, use_top_p, *verify = self.sampling
             words += ", sampling on the device" + {"off": "", "cap": " with top-k", "sort": " with top-k (full sort)"}[
-                top_k_mode] + (" with top-p" if use_top_p else "")
+                top_k_mode] + (" with top-p" if use_top_p else "") + (", verifying drafts" if verify else "")
         words += ", with logprobs" if self.logprobs else ""
         words += f", logit bias of up to {self.logit_bias_width} tokens" if self.logit_bias_width else ""
         return words + (", with grammar masks" if self.grammar else "")
