@@ -326,9 +326,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=480,
                     help="skip the work left once this many seconds have passed since the start (the JSON is\n"
                          "written after every part)")
-    ap.add_argument("--timing-only", action="store_true",
-                    help="the decode timing only, on an engine of max_num_seqs = 2 (half the step shapes to compile:\n"
-                         "the fast mode's side of the cost at the real size, where one call holds one mode)")
+    ap.add_argument("--timing-only", default="",
+                    help="modes (comma-separated) that only time decode, on an engine of max_num_seqs = 2 (half the\n"
+                         "step shapes to compile: the fast mode's side of the cost at the real size)")
     ap.add_argument("--merge", default=None,
                     help="comma-separated JSONs of earlier runs (e.g. one per mode, same machine): their rows and\n"
                          "timings in one JSON with the summary of all; nothing runs")
@@ -388,7 +388,10 @@ def main(argv=None) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=plan["tokens"], ignore_eos=True, logprobs=5)
     sp_timing = SamplingParams(temperature=0.0, max_tokens=plan["warm"] + plan["steps"] + 4, ignore_eos=True)
 
-    lms = {m: make_llm(model, MODES[m], plan, max(BATCHES) if args.timing_only else NUM_PROMPTS) for m in modes}
+    timing_only = [m for m in args.timing_only.split(",") if m]
+    if set(timing_only) - set(modes):
+        raise SystemExit(f"--timing-only takes modes of --modes ({','.join(modes)})")
+    lms = {m: make_llm(model, MODES[m], plan, max(BATCHES) if m in timing_only else NUM_PROMPTS) for m in modes}
     compile_info = precompile(lms, [sp, sp_timing], args.compile_threads, expired)
     engines = {m: dict(batch_invariant=MODES[m], page_table_width=lm.engine.max_pages_per_row,
                        num_pages=lm.engine.cfg.num_pages, prefill_align=lm.engine.sched.cfg.prefill_align,
@@ -408,7 +411,7 @@ def main(argv=None) -> dict:
                                        layer_types=list(cfg.layer_types), ple_layers=list(cfg.ple_layers),
                                        dtype="bfloat16", max_num_seqs=NUM_PROMPTS, prompt_lengths=lengths,
                                        logprobs=5, seed=args.seed, **plan),
-                           engines=engines, compile=compile_info, timing_only=args.timing_only, build_s=build_s,
+                           engines=engines, compile=compile_info, timing_only=timing_only, build_s=build_s,
                            timing_rounds=timing_rounds,
                            timing_ms={m: {f"B={b}": v for b, v in t.items()} for m, t in timing.items()},
                            decode_profile_b1=profiles,
@@ -455,7 +458,7 @@ def main(argv=None) -> dict:
         device_profile.print_summary(prof, f"{m} B=1 x {args.profile_steps} steps")
     save()
 
-    for m, lm in (() if args.timing_only else lms.items()):
+    for m, lm in ((m, lm) for m, lm in lms.items() if m not in timing_only):
         solos: list[dict | None] = [None] * NUM_PROMPTS
         try:
             t0 = time.perf_counter()

@@ -6,10 +6,10 @@
 #   bash bench/device_checks.sh invariance12 # issue 19 at 12 layers, invariant mode only
 #   bash bench/device_checks.sh async        # issue 16: async scheduling beside the plain engine (~4 min)
 #   bash bench/device_checks.sh kinds        # issue 19 with token kinds (both modes, 4 layers), then the async probe
-#   bash bench/device_checks.sh invariance48 invariant|fast
+#   bash bench/device_checks.sh invariance48 invariant|fast|both
 #                                            # issue 19 at the real size (48 layers, 512 experts; needs_h200), one
-#                                            # mode per call (each compiles ~4-6 min); then on this machine
-#                                            # bench/batch_invariance.py --merge the two JSONs for the cost
+#                                            # mode per call (each compiles ~4-6 min; both: the fast mode timing
+#                                            # only, in one call), else bench/batch_invariance.py --merge the JSONs
 #   bash bench/device_checks.sh prefill      # issue 19: TTFT of 8K/16K prompts, invariant vs fast (4 layers)
 #   bash bench/device_checks.sh longctx      # issue 14's report on the H200 (512 experts; needs_h200): TTFT/decode at
 #                                            # 4K-262K in the default (batch-invariant) mode, first vs second 32K
@@ -99,8 +99,9 @@ case "${1:-}" in
   invariance48)
     case "${2:-}" in
       invariant) MODE_ARGS="--modes invariant" ;;
-      fast) MODE_ARGS="--modes non_invariant --timing-only" ;;
-      *) echo "usage: $0 invariance48 invariant|fast" >&2; exit 2 ;;
+      fast) MODE_ARGS="--modes non_invariant --timing-only non_invariant" ;;
+      both) MODE_ARGS="--modes invariant,non_invariant --timing-only non_invariant" ;;  # one build, 12 compiles
+      *) echo "usage: $0 invariance48 invariant|fast|both" >&2; exit 2 ;;
     esac
     # EXPERTS=32 on an H100 (the 512-expert weights, ~68 GB, leave no room there): a decode step reads the same
     # bytes (each token its top-10 experts), so the cost at depth is the real one; the routing is not
