@@ -36,6 +36,7 @@ from .host_outputs import crossing_outputs
 from .model_runner import unpacked
 from .multihost import Send, owned
 from .stages import StagePlan, StagePlanError
+from .step_cache import CompiledLRU
 from .step_programs import model_step
 
 log = logging.getLogger(__name__)
@@ -263,34 +264,15 @@ def _placed(tree, sharding):
         abstract(tree))
 
 
-class PipelineSteps:
+class PipelineSteps(CompiledLRU):
     """The engine's StepCache interface (step_cache.py) for its model steps over a PipelineRunner: per step key the
     stages' compiled executables (`PipelineRunner.compile_programs`), least recently used dropped past `limit`, so
     startup precompile, compile ahead and the LRU bound work as for one program. (The engine's samplers are its
     own StepCache, on the last stage's devices.)"""
 
     def __init__(self, runner: "PipelineRunner"):
-        self.runner, self.limit = runner, 32
-        self.counters: collections.Counter = collections.Counter()
-        self._lru: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()  # compile ahead compiles from its own thread
-
-    def __contains__(self, key) -> bool:
-        with self._lock:
-            return key in self._lru
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._lru)
-
-    def keys(self) -> list:
-        with self._lock:
-            return list(self._lru)
-
-    def set_limit(self, limit: int):
-        with self._lock:
-            self.limit = limit
-            self._evict()
+        super().__init__(32, "pipeline step")
+        self.runner = runner
 
     def compile(self, key, args) -> StagePrograms:
         """Compile every stage's program for `key` (args: arrays or their types), unless it is cached."""
@@ -300,30 +282,12 @@ class PipelineSteps:
         t0 = time.perf_counter()
         programs = self.runner.compile_programs(abstract(args))
         log.info("compiled %d pipeline stages in %.1f s", len(programs.stages), time.perf_counter() - t0)
-        with self._lock:
-            self._lru[key] = programs
-            self.runner.shapes_seen.add(key)
-            self.counters["compiled"] += 1
-            self._evict()
-        return programs
-
-    def get(self, key) -> StagePrograms | None:
-        with self._lock:
-            hit = self._lru.get(key)
-            if hit is not None:
-                self._lru.move_to_end(key)
-            return hit
+        self.runner.shapes_seen.add(key)
+        return self._keep(key, programs)
 
     def call(self, key, args):
         programs = self.get(key) or self.compile(key, args)
         return self.runner.pipeline_step(*args, programs=programs)
-
-    def _evict(self):
-        while len(self._lru) > max(self.limit, 1):
-            key, _ = self._lru.popitem(last=False)
-            self.counters["evicted"] += 1
-            log.info("dropped a compiled pipeline step (the least recently used of %d kept): %s", self.limit,
-                     str(key)[:200])
 
 
 class StageTimeline:

@@ -38,20 +38,13 @@ def memory_summary(compiled) -> str:
             f"({gib(m.alias_size_in_bytes)} of them donated in place), temporaries {gib(m.temp_size_in_bytes)}")
 
 
-class StepCache:
-    """Compiled programs of `run` by key: the engine's model steps (`run(params, store, batch, prompt_targets)`,
-    the store, argument 1, donated) and its samplers (step_programs.choose_tokens: nothing donated, its logprobs flag
-    static). `name`: the jitted function's name, as the backend's live executables show it; `log_level`: of the
-    line each compile logs (a sampler is a small program that compiles often: debug). `batch_invariant`: trace and
-    compile every program in that mode (pallas_kernels/fixed_order.py)."""
+class CompiledLRU:
+    """Compiled programs by key, at most `limit` of them, the least recently used dropped first; thread-safe (the
+    background compiler adds from its own thread). What StepCache and the pipeline's PipelineSteps share; `what`
+    names the programs in the log."""
 
-    def __init__(self, run: Callable, limit: int, donate_argnums: tuple[int, ...] = (1,),
-                 static_argnums: tuple[int, ...] = (), name: str = "run", log_level: int = logging.INFO,
-                 batch_invariant: bool = True):
-        self._run, self._donate, self._static, self._name = run, donate_argnums, static_argnums, name
-        self.batch_invariant = batch_invariant
-        self._log_level = log_level
-        self.limit = limit
+    def __init__(self, limit: int, what: str):
+        self.limit, self._what = limit, what
         self._lru: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.counters = collections.Counter()
@@ -67,6 +60,49 @@ class StepCache:
     def keys(self) -> list:
         with self._lock:
             return list(self._lru)
+
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+            return hit
+
+    def set_limit(self, limit: int):
+        with self._lock:
+            self.limit = limit
+            self._evict()
+
+    def _keep(self, key: Hashable, programs: Any) -> Any:
+        """A newly compiled entry, counted; the least recently used ones past the limit go."""
+        with self._lock:
+            self._lru[key] = programs
+            self.counters["compiled"] += 1
+            self._evict()
+        return programs
+
+    def _evict(self):
+        while len(self._lru) > max(self.limit, 1):
+            key, _ = self._lru.popitem(last=False)
+            self.counters["evicted"] += 1
+            log.info("dropped a compiled %s (the least recently used of %d kept): %s", self._what, self.limit,
+                     str(key)[:200])
+
+
+class StepCache(CompiledLRU):
+    """Compiled programs of `run` by key: the engine's model steps (`run(params, store, batch, prompt_targets)`,
+    the store, argument 1, donated) and its samplers (step_programs.choose_tokens: nothing donated, its logprobs flag
+    static). `name`: the jitted function's name, as the backend's live executables show it; `log_level`: of the
+    line each compile logs (a sampler is a small program that compiles often: debug). `batch_invariant`: trace and
+    compile every program in that mode (pallas_kernels/fixed_order.py)."""
+
+    def __init__(self, run: Callable, limit: int, donate_argnums: tuple[int, ...] = (1,),
+                 static_argnums: tuple[int, ...] = (), name: str = "run", log_level: int = logging.INFO,
+                 batch_invariant: bool = True):
+        super().__init__(limit, name)
+        self._run, self._donate, self._static, self._name = run, donate_argnums, static_argnums, name
+        self.batch_invariant = batch_invariant
+        self._log_level = log_level
 
     def compile(self, key: Hashable, args: tuple) -> Any:
         """Compile the program for `args` (arrays or their abstract types) under `key`, unless it is cached."""
@@ -84,30 +120,7 @@ class StepCache:
             compiled = jitted.lower(*args).compile(fixed_order.compiler_options(self.batch_invariant))
         log.log(self._log_level, "compiled %s in %.1f s: %s", self._name, time.perf_counter() - t0,
                 memory_summary(compiled))
-        with self._lock:
-            self._lru[key] = compiled
-            self.counters["compiled"] += 1
-            self._evict()
-        return compiled
-
-    def get(self, key: Hashable) -> Any | None:
-        with self._lock:
-            hit = self._lru.get(key)
-            if hit is not None:
-                self._lru.move_to_end(key)
-            return hit
-
-    def set_limit(self, limit: int):
-        with self._lock:
-            self.limit = limit
-            self._evict()
-
-    def _evict(self):
-        while len(self._lru) > max(self.limit, 1):
-            key, _ = self._lru.popitem(last=False)
-            self.counters["evicted"] += 1
-            log.info("dropped a compiled %s (the least recently used of %d kept): %s", self._name, self.limit,
-                     str(key)[:200])
+        return self._keep(key, compiled)
 
     def call(self, key: Hashable, args: tuple) -> Any:
         """Run the program of `key` (compiling it first if it is not cached). The compiled executable takes the
