@@ -16,7 +16,7 @@ from serving.cli import FAULT_AFTER_STEPS_ENV
 from serving_harness import serve_process, toy_checkpoint
 
 
-def test_health_is_503_after_an_engine_fault():
+def test_engine_fault_is_a_500_then_health_is_503():
     llm = LLM("toy", max_num_seqs=4, max_num_batched_tokens=64)
 
     def broken_step():
@@ -26,7 +26,8 @@ def test_health_is_503_after_an_engine_fault():
     with TestClient(create_app(llm, "toy")) as c:
         assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json={"prompt": "w3 w4", "max_tokens": 3})
-        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_error" and "device lost" in r.json()["error"]["message"]
         health = c.get("/health")
         assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
 
