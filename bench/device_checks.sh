@@ -105,8 +105,8 @@ case "${1:-}" in
     esac
     # EXPERTS=32 on an H100 (the 512-expert weights, ~68 GB, leave no room there): a decode step reads the same
     # bytes (each token its top-10 experts), so the cost at depth is the real one; the routing is not
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 580 python3 bench/batch_invariance.py --layers 48 \
-        --experts ${EXPERTS:-512} --compile-threads 8 --deadline-s 520 $MODE_ARGS \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(( ${DEADLINE:-520} + 60 )) python3 bench/batch_invariance.py \
+        --layers 48 --experts ${EXPERTS:-512} --compile-threads 8 --deadline-s ${DEADLINE:-520} $MODE_ARGS \
         --out "$OUT/batch_invariance_48layers_${EXPERTS:-512}experts_$2.json" > "$OUT/bi48_$2.log" 2>&1
     echo "batch_invariance 48 layers $2 rc=$?"; grep -v "compiling\|compiled run" "$OUT/bi48_$2.log" | tail -n 25 ;;
   prefill)
