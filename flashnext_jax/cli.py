@@ -37,7 +37,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.prompt is not None and not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"{model_dir} has no tokenizer.json: pass --token-ids instead of --prompt")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=not args.stop_at_eos)
+                            seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=not args.stop_at_eos,
+                            min_tokens=args.min_tokens)
     k = args.num_speculative_tokens
     multihost.initialize_from(args)  # before anything touches JAX
     configure_compilation_cache(args.compilation_cache)
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation / weight dtype")
     gen.add_argument("--stop-at-eos", action="store_true", help="stop early when EOS is generated")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="with --stop-at-eos: EOS cannot be generated before this many tokens (vLLM's min_tokens)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")

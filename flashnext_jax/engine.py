@@ -37,6 +37,7 @@ from .step_cache import StepCache
 from .step_programs import SamplerKey, StepKey, chain_tokens, choose_tokens_packed, jitted_step
 from .structured_output import GrammarCompiler, GrammarState, allowed_tokens
 from .tickets import RowTicket, StepTicket, TokenSource
+from .token_bans import TokenBans
 
 log = logging.getLogger("flashnext_jax.engine")
 
@@ -303,7 +304,8 @@ class Engine:
         if device_sampled(p, self.cfg.num_speculative_tokens):
             masks = mask_modes([max(p.top_k, 0)], [p.top_p]) + self._verify_columns()
         bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
-        return SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None)
+        return SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None or (
+            TokenBans.of(p, self.runner.vocab_size, self.runner.eos_token_id) is not None))
 
     def _verify_columns(self) -> tuple:
         """The verify form's part of a sampler key: (K1,) in an engine with MTP drafts, where device-sampled rows
@@ -471,11 +473,21 @@ class Engine:
         if bad:
             raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} outside vocab "
                              f"[0, {self.runner.vocab_size})")
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
+            bad = [t for t in ids if t >= self.runner.vocab_size]
+            if bad:
+                raise ValueError(f"request {request_id}: {field} token ids {bad[:5]} outside vocab "
+                                 f"[0, {self.runner.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError(f"request {request_id}: bad_words need a tokenizer (SamplingParams."
+                             "with_bad_words_tokenized, or bad_words_token_ids)")
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 raise ValueError(f"request {request_id}: structured outputs need a tokenizer (this engine has none)")
             grammar = self.grammar_compiler.new_state(params.structured_outputs)  # ValueError: a bad spec
         req = Request(request_id, prompt, params.with_defaults(), self._arrivals, stop_checker=stop_checker)
+        req.bans = TokenBans.of(params, self.runner.vocab_size, self.runner.eos_token_id)
         if images is not None:
             if not isinstance(images, RequestImages):
                 images = self.encode_images(request_id, prompt, images)
@@ -645,7 +657,8 @@ class Engine:
             p = req.params
             sampled = device_sampled(p, 0)
             ok = (r.samples and r.capture is None and not req.finished and req.images is None
-                  and r.request_id not in self.grammars and (p.device_argmax or sampled))
+                  and r.request_id not in self.grammars and (p.device_argmax or sampled)
+                  and (req.bans is None or not req.bans.needed(len(req.output) + 1)))  # (the next row's masks)
             req.chain = TokenSource(t.step_id, r.row, r.n - 1 - r.base, sampled, r.start + r.n) if ok else None
             every = every and ok
         return every
@@ -802,22 +815,40 @@ class Engine:
         return jax.device_put(targets) if np.any(targets >= 0) else None
 
     def _token_masks(self, t: StepTicket):
-        """The grammar masks of this step's constrained rows that choose tokens: [B, K1, words] int32 numpy
-        (column of the row's last known token, then one per draft), or None when no such row (no mask code then).
-        Computed on the host after the model step's launch (it needs them only in the sampler); a request has at most
-        one step in flight, so its matcher holds its committed output here (docs/structured-output.md: where this
-        could overlap the device more)."""
-        rows = []
+        """The token masks of this step's token-choosing rows that have a grammar or bans (token_bans.py): [B, K1,
+        words] int32 numpy (column of the row's last known token, then one per draft; -1 words elsewhere), or None
+        when no row has one (no mask code then). A row's grammar masks and its bans are ANDed; each such row keeps
+        its columns' masks as `Request.step_mask` for the host-sampled paths. Computed on the host after the model
+        step's launch (it needs them only in the sampler); a request has at most one step in flight, so its matcher
+        and output hold its committed tokens here (docs/structured-output.md: where this could overlap the device
+        more)."""
+        grammar_rows, masked = [], []
         for r in t.rows:
+            req = self.requests[r.request_id]
+            req.step_mask = None
             state = self.grammars.get(r.request_id)
             if state is not None:
                 state.step_mask = None
-            if state is not None and state.active and r.samples:
-                first = r.n - 1 - r.num_drafts  # offset of the last known token; the drafts follow it
-                rows.append((state, r.row * self.K1 + first - r.base, r.tokens[first + 1:]))
-        if not rows:
+            if not r.samples:
+                continue
+            first = r.n - 1 - r.num_drafts  # offset of the last known token; the drafts follow it
+            at, drafts = r.row * self.K1 + first - r.base, r.tokens[first + 1:]
+            # (a chained row's token follows one not yet in req.output: _set_chains chains only rows no ban can reach)
+            bans = None if req.bans is None or r.token_from is not None else req.bans.column_masks(req.output, drafts)
+            if state is not None and state.active:
+                grammar_rows.append((state, at, drafts))
+            elif bans is None:
+                continue
+            masked.append((req, at, len(drafts) + 1, bans))
+        if not masked:
             return None
-        mask = self.grammar_compiler.fill_masks(rows, t.batch_size * self.K1)
+        n = t.batch_size * self.K1
+        mask = self.grammar_compiler.fill_masks(grammar_rows, n) if grammar_rows else np.full(
+            (n, (self.runner.vocab_size + 31) // 32), -1, np.int32)
+        for req, at, columns, bans in masked:
+            if bans is not None:
+                mask[at: at + columns] &= bans
+            req.step_mask = mask[at: at + columns].copy()
         return mask.reshape(t.batch_size, self.K1, -1)
 
     def _check_writes(self, t: StepTicket):
@@ -888,8 +919,7 @@ class Engine:
                     host["logits_finite"][r.row, cols], drafts, req.request_id)
                 sampled_on_device = True
             else:
-                allowed = None if grammar is None or grammar.step_mask is None else allowed_tokens(
-                    grammar.step_mask, self.runner.vocab_size)
+                allowed = None if req.step_mask is None else allowed_tokens(req.step_mask, self.runner.vocab_size)
                 m, new_tokens = sampling.verify(host["logits"][r.row, cols], drafts, req.draft_probs[:nd],
                                                 req.params, req.tokens, len(req.output), req.request_id, allowed)
             accepted_inputs = first + 1 + m
@@ -928,8 +958,9 @@ class Engine:
             if on_device or sampled_on_device:  # greedy drafts (the verify form's q is one-hot)
                 drafts, probs = sampling.propose_argmax(host["draft_logits_argmax"][r.row, col, :nd],
                                                         host["draft_logits_finite"][r.row, col, :nd], req.request_id)
-            elif grammar is not None and grammar.active:
-                drafts, probs = self._propose_under_grammar(req, grammar, host["draft_logits"][r.row, col, :nd])
+            elif (grammar is not None and grammar.active) or (
+                    req.bans is not None and req.bans.needed(len(req.output))):
+                drafts, probs = self._propose_restricted(req, grammar, host["draft_logits"][r.row, col, :nd])
             else:
                 drafts, probs = sampling.propose(host["draft_logits"][r.row, col, :nd], req.params, len(req.output),
                                                  req.request_id)
@@ -939,17 +970,25 @@ class Engine:
                 drafts = hooked
             req.drafts, req.draft_probs = list(drafts), list(probs)
 
-    def _propose_under_grammar(self, req: Request, grammar: GrammarState, draft_logits: np.ndarray):
-        """Host-drawn drafts of a constrained request, each from the draft head's distribution restricted to the
-        grammar after the drafts before it, so q (used by rejection sampling) is the distribution drafted from."""
-        probs = []
+    def _propose_restricted(self, req: Request, grammar: GrammarState | None, draft_logits: np.ndarray):
+        """Host-drawn drafts of a request with a grammar or bans, each from the draft head's distribution restricted
+        to what the grammar (after the drafts before it) and the bans (at its output index, after the output and
+        the drafts before it) allow, so q (used by rejection sampling) is the distribution drafted from."""
+        probs, drafts = [], []
 
-        def propose_one(i: int, allowed: np.ndarray) -> int:
+        def propose_one(i: int, allowed: np.ndarray | None) -> int:
+            if req.bans is not None:
+                free = req.bans.allowed_after(req.output, drafts[:i])
+                allowed = free if allowed is None else allowed & free
             (d,), (q,) = sampling.propose(draft_logits[i: i + 1], req.params, len(req.output) + i, req.request_id,
                                           allowed[None])
             probs.append(q)
+            drafts.append(d)
             return d
-        drafts = self.grammar_compiler.draft_masks(grammar, propose_one, len(draft_logits))
+        if grammar is not None and grammar.active:
+            return self.grammar_compiler.draft_masks(grammar, propose_one, len(draft_logits)), probs
+        for i in range(len(draft_logits)):
+            propose_one(i, None)
         return drafts, probs
 
     @staticmethod

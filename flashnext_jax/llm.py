@@ -88,6 +88,25 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
     return runner, tok
 
 
+
+class StopStrings:
+    """A request's stop-string check (Request.stop_checker): called with the output ids after each new token, it
+    feeds the request's detokenizer and looks for a stop string in the new text (and the few characters before it
+    that a stop string could start in). vLLM's min_tokens rule: the text of the first min_tokens tokens is never
+    searched (`floor`: its length; a stop string may only end after it)."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stops: Sequence[str], min_tokens: int = 0):
+        self.detok, self.stops, self.min_tokens = detok, tuple(stops), min_tokens
+        self.floor = 0
+
+    def __call__(self, output_ids: Sequence[int]) -> bool:
+        before = max(len(self.detok.text), self.floor)
+        self.detok.update(output_ids)
+        if len(output_ids) <= self.min_tokens:
+            self.floor = len(self.detok.text)
+            return False
+        return any(self.detok.text.find(s, max(0, before - len(s) + 1)) >= 0 for s in self.stops)
+
 class LLM:
     def __init__(self, model: Any = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, block_size: int = 16,
@@ -251,12 +270,18 @@ class LLM:
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
             ids, text = [int(t) for t in prompt], None
+        if params.truncate_prompt_tokens is not None:
+            if images is not None:
+                raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their pads)")
+            ids = params.truncated_prompt(ids, self.engine.cfg.max_model_len)
         checker = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer)
+            params = params.with_bad_words_tokenized(self.tokenizer.encode)
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
             self._detok[rid] = detok
             if params.stop:
-                checker = self._stop_checker(detok, params.stop)
+                checker = StopStrings(detok, params.stop, params.min_tokens)
         self._prompts[rid] = text
         self._emitted[rid] = (0, 0)
         try:
@@ -275,34 +300,23 @@ class LLM:
         with self._lock:
             self.engine.free_request(rid)
 
-    @staticmethod
-    def _stop_checker(detok: IncrementalDetokenizer, stops: Sequence[str]):
-        longest = max(len(s) for s in stops)
-
-        def check(output_ids):
-            before = len(detok.text)
-            detok.update(output_ids)
-            window = detok.text[max(0, before - longest + 1):]
-            return any(s in window for s in stops)
-
-        return check
-
     def _output(self, req: Request) -> RequestOutput:
         rid = req.request_id
         text = ""
         detok = self._detok.get(rid)
         if detok is not None:
-            if req.params.stop:
-                text = detok.text
-                for s in req.params.stop:
-                    i = text.find(s)
-                    if i >= 0:
-                        text = text[: i + (len(s) if req.params.include_stop_str_in_output else 0)]
+            p = req.params
+            if req.finished:  # all of it, any held-back partial character flushed; a stop token's text left out
+                ids = req.output[:-1] if self._stopped_by_token(req) else req.output  # (as vLLM)
+                text = detok.decode(ids)
             else:
                 detok.update(req.output)
                 text = detok.text
-                if req.finished:  # flush any held-back partial character
-                    text = self.tokenizer.decode(req.output)
+            checker = req.stop_checker
+            for s in p.stop:  # cut at the stop string the checker found (never in the first min_tokens' text)
+                i = text.find(s, max(0, getattr(checker, "floor", 0) - len(s) + 1))
+                if i >= 0:
+                    text = text[: i + (len(s) if p.include_stop_str_in_output else 0)]
         n_tok, n_txt = self._emitted[rid]
         self._emitted[rid] = (len(req.output), len(text))
         m = dict(req.metrics)
@@ -317,6 +331,14 @@ class LLM:
                              list(req.logprobs) if wants_logprobs else None,
                              list(req.logprobs[n_tok:]) if wants_logprobs else None,
                              None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+
+    def _stopped_by_token(self, req: Request) -> bool:
+        """Whether a finished request ended on EOS or one of its stop_token_ids (and its text leaves it out)."""
+        p = req.params
+        if req.finish_reason != "stop" or not req.output or p.include_stop_str_in_output:
+            return False
+        t = req.output[-1]
+        return t in p.stop_token_ids or (t == self.runner.eos_token_id and not p.ignore_eos)
 
     # ---- offline
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

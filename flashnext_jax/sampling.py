@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -54,6 +54,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first: None) and top n
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit before any other processing
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (llguidance)
+    min_tokens: int = 0  # EOS and stop_token_ids are banned (and stop strings unchecked) before this many tokens
+    allowed_token_ids: Sequence[int] | None = None  # only these tokens may be generated
+    bad_words: Sequence[str] | None = None  # words that must not be generated (token_bans.py)
+    # bad_words as token sequences, vLLM's tokenization (token_bans.bad_words_token_ids): LLM sets them from its
+    # tokenizer; an engine without a tokenizer takes them directly
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # False: adjacent special tokens' texts are joined without a space
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: the last max_model_len)
 
     def __post_init__(self):
         def bad(field, why):
@@ -96,6 +105,28 @@ class SamplingParams:
         if any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
             bad("stop_token_ids", "must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        for f in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be true or false")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens) or (
+                self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            bad("truncate_prompt_tokens", "must be an int >= 1, or -1 (the model's max length)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids) if isinstance(self.allowed_token_ids, Iterable) else ()
+            if not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+                bad("allowed_token_ids", "must be None or a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or ())
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            bad("bad_words", "must be a list of non-empty strings")
+        object.__setattr__(self, "bad_words", tuple(words) or None)
+        if self.bad_words_token_ids is not None:
+            seqs = [tuple(w) for w in self.bad_words_token_ids]
+            if any(not w or any(not _is_int(t) or t < 0 for t in w) for w in seqs):
+                bad("bad_words_token_ids", "must be non-empty lists of token ids")
+            object.__setattr__(self, "bad_words_token_ids", tuple(tuple(int(t) for t in w) for w in seqs) or None)
 
     def _checked_bias(self, bad) -> Mapping[int, float] | None:
         """logit_bias as a fresh {int id: float clamped to [-100, 100]} (None when empty; a plain dict, so params
@@ -127,11 +158,39 @@ class SamplingParams:
         on the device, so the full-vocabulary logits never need to reach the host."""
         return self.greedy and not self.has_penalties
 
+    def with_bad_words_tokenized(self, encode) -> "SamplingParams":
+        """bad_words as token sequences (bad_words_token_ids) with `encode(text) -> ids` (no special tokens); self
+        when it has none or they are tokenized already."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        from .token_bans import bad_words_token_ids
+
+        return dataclasses.replace(self, bad_words_token_ids=bad_words_token_ids(self.bad_words, encode))
+
+    def truncated_prompt(self, ids: Sequence[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens ids (`truncate_prompt`)."""
+        return truncate_prompt(ids, self.truncate_prompt_tokens, max_model_len)
+
     def with_defaults(self) -> "SamplingParams":
         """A sampled request without a seed gets a random one now, so its whole stream is fixed from here on."""
         if self.seed is None and not self.greedy:
             return dataclasses.replace(self, seed=random.SystemRandom().randrange(2**63))
         return self
+
+
+def truncate_prompt(ids: Sequence[int], n: int | None, max_model_len: int) -> list[int]:
+    """The last n ids of a prompt (vLLM's truncate_prompt_tokens: -1 is max_model_len, None keeps all; n over
+    max_model_len is an error, in vLLM's words)."""
+    if n is None:
+        return list(ids)
+    if n > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+                         "Please, select a smaller truncation size.")
+    return list(ids[-(max_model_len if n == -1 else n):])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:

@@ -50,6 +50,8 @@ class Request:
     stop_checker: Any = None  # callable(token_ids) -> bool for stop strings (set by the LLM layer)
     images: Any = None  # request_images.RequestImages of an image prompt (None: text)
     slot_values: dict | None = None  # integer slot leaves the ledger writes at each allocation (the image spans)
+    bans: Any = None  # token_bans.TokenBans: min_tokens / allowed_token_ids / bad_words (None: none)
+    step_mask: Any = None  # the packed token masks of its columns in the step in flight (grammar and bans; None: none)
     metrics: dict = dataclasses.field(default_factory=lambda: {
         "num_cached_tokens": 0, "num_drafts": 0, "num_accepted": 0, "num_preemptions": 0, "num_steps": 0})
 

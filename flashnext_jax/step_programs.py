@@ -69,8 +69,8 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
     * `logit_bias` (device_sampling.LogitBias): added to the logits and draft logits the argmax and the device
       sample choose from (then "logits_argmax" / "draft_logits_argmax" are the biased ones and replace the model
       step's); the raw logits stay raw (the host adds the bias itself where it samples, sampling.apply_logit_bias);
-    * `token_mask` [B, K1, ceil(V/32)] int32 (structured outputs: the packed grammar masks of the constrained rows'
-      token-choosing columns, -1 words elsewhere): masked columns choose their argmax / sample among the allowed
+    * `token_mask` [B, K1, ceil(V/32)] int32 (the packed masks of the token-choosing columns of rows with a grammar
+      or bans, both ANDed: structured outputs, min_tokens / allowed_token_ids / bad_words; -1 words elsewhere): masked columns choose their argmax / sample among the allowed
       tokens only; the finite flags and the logprobs stay those of the raw logits;
     * `logprobs` (static): the log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob",
       "logits_sample_logprob") and the MAX_LOGPROBS most likely tokens of every position ("logits_top_ids",
@@ -219,7 +219,7 @@ class SamplerKey(NamedTuple):
     # verify form's columns]); None: no row samples there
     logprobs: bool  # the logsumexp and top-k logprob outputs (a row whose token the device chooses wants logprobs)
     logit_bias_width: int  # (id, bias) pairs per row (device_sampling.LogitBias), 0: no row has a logit_bias
-    grammar: bool  # packed grammar masks (some row is constrained)
+    grammar: bool  # packed token masks (some row has a grammar or bans: token_bans.py)
 
     def describe(self) -> str:
         words = f"the sampler of {self.rows} rows"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Sequence
@@ -56,8 +57,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """spaces_between_special_tokens=False (with special tokens kept): an added token right after another is
+        its own text, without the space the decoder may put before it (vLLM's detokenizer: the texts of adjacent
+        special tokens are joined directly)."""
+        ids = [int(t) for t in ids]
+        if skip_special_tokens or spaces_between_special_tokens:
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self.added_tokens
+        cuts = [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added]
+        return "".join(self.tok.decode(ids[a:b], skip_special_tokens=False)
+                       for a, b in zip([0, *cuts], [*cuts, len(ids)]))
+
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[int]:
+        """The ids of the tokenizer's added tokens (the special ones among them)."""
+        return frozenset(self.tok.get_added_tokens_decoder())
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
                             **kwargs):
@@ -81,14 +97,19 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """vLLM-style prefix/read offsets: emit text only once it is stable (no partial UTF-8 sequence)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        self.tokenizer, self.skip, self.spaces = tokenizer, skip_special_tokens, spaces_between_special_tokens
         self.prefix_offset = self.read_offset = 0
         self.text = ""
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """ids as text under this detokenizer's options."""
+        return self.tokenizer.decode(ids, self.skip, self.spaces)
+
     def update(self, ids: Sequence[int]) -> str:
         """All output ids so far -> the newly stable text (also appended to `self.text`)."""
-        dec = lambda a, b: self.tokenizer.decode(ids[a:b], self.skip)  # noqa: E731
+        dec = lambda a, b: self.decode(ids[a:b])  # noqa: E731
         prefix = dec(self.prefix_offset, self.read_offset)
         full = dec(self.prefix_offset, len(ids))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

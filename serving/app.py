@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from flashnext_jax.media import chat_inputs
+from flashnext_jax.sampling import truncate_prompt
 
 from . import protocol
 from .chat_features import prepare_chat
@@ -76,6 +77,10 @@ class _Server:
         if bad:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         return ids
+
+    def truncate(self, ids: list[int], body: protocol._Sampling) -> list[int]:
+        """The request's truncate_prompt_tokens applied to a prompt's ids (before vLLM's context rule)."""
+        return truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len)
 
     def chat_inputs(self, messages: list[protocol.ChatMessage]) -> tuple[list[dict], list]:
         """The messages as the chat template reads them, and their images decoded under the engine's limits (count,
@@ -232,8 +237,11 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
     async def completions(body: protocol.CompletionRequest):
         server.check_model(body.model)
         raw = body.prompts()
-        prompts = [server.encode(p) for p in raw]
-        texts = [p if isinstance(p, str) else server.needs_tokenizer().decode(p) for p in raw] if body.echo else None
+        prompts = [server.truncate(server.encode(p), body) for p in raw]
+        texts = None
+        if body.echo:  # a truncated prompt echoes what is left of it
+            texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                     else server.needs_tokenizer().decode(ids) for p, ids in zip(raw, prompts)]
         return await Generation(server, body, prompts, chat=False, prompt_texts=texts).respond()
 
     @app.post("/v1/chat/completions")
@@ -243,8 +251,10 @@ def create_app(llm, model_name: str, *, exit_on_fault: bool = False, api_key: st
         text, shaper, forced = prepare_chat(
             body, lambda kwargs: server.render_chat(messages, body.add_generation_prompt, kwargs),
             tool_call_parser, reasoning_parser)
-        prompt = await asyncio.to_thread(server.image_prompt, server.encode(text), images,  # resizes, patches
-                                         body.mm_processor_kwargs)
+        if images and body.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their pads)")
+        prompt = await asyncio.to_thread(server.image_prompt, server.truncate(server.encode(text), body), images,
+                                         body.mm_processor_kwargs)  # resizes, patches
         return await Generation(server, body, [prompt], chat=True, shaper=shaper, forced_grammar=forced).respond()
 
     return app

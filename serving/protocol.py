@@ -27,8 +27,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "store", "metadata",
     "service_tier", "logprobs_mode", "prompt_logprobs", "return_tokens_as_token_ids", "use_beam_search",
-    "min_tokens", "bad_words", "truncate_prompt_tokens", "allowed_token_ids", "skip_special_tokens",
-    "spaces_between_special_tokens", "length_penalty", "add_special_tokens", "priority",
+    "length_penalty", "add_special_tokens", "priority",
 })
 # accepted and deliberately without effect on the output (request metadata)
 NO_EFFECT_FIELDS = frozenset({"user"})
@@ -75,6 +74,22 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     response_format: dict[str, Any] | None = None  # OpenAI's output constraint (serving/structured.py)
     structured_outputs: dict[str, Any] | None = None  # vLLM's
+    # vLLM's SamplingParams fields: min_tokens (EOS / stop_token_ids banned and stop strings unchecked before this
+    # many tokens), allowed_token_ids (only these), bad_words (never these words: flashnext_jax/token_bans.py),
+    # the output text's special tokens, and the prompt cut to its last truncate_prompt_tokens (-1: max_model_len)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value):
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be an int >= 1, or -1 (the model's max length)")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -109,6 +109,8 @@ def test_help_shows_defaults_and_bad_flags_are_one_line_errors():
     assert "(default: 32)" in " ".join(run("generate", "--help").stdout.split())
     proc = run("generate", "--prompt", "")
     assert proc.returncode != 0 and proc.stderr.strip() == "error: --prompt must not be empty"
+    proc = run("generate", "--token-ids", "1,2", "--max-new-tokens", "2", "--min-tokens", "3")  # (SamplingParams')
+    assert proc.returncode != 0 and "min_tokens=3" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_generation_config_defaults(tmp_path):

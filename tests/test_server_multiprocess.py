@@ -140,7 +140,10 @@ def test_every_sampling_field_crosses_as_json():
                             stop_token_ids=[3, 4], max_tokens=7, ignore_eos=True, include_stop_str_in_output=True,
                             logprobs=2, prompt_logprobs=1, logit_bias={5: 1.5, 9: -100.0},
                             structured_outputs=StructuredOutputsParams(json={"type": "object", "b": 1, "a": 2},
-                                                                       after="</think>"))
+                                                                       after="</think>"),
+                            min_tokens=2, allowed_token_ids=[3, 8, 5], bad_words=["a b"],
+                            bad_words_token_ids=[[1, 2], [7]], skip_special_tokens=False,
+                            spaces_between_special_tokens=False, truncate_prompt_tokens=-1)
     inputs = StepInputs([["add", "r", [1, 2], params_to_json(params)], ["abort", "r"], ["free", "r"]], step=True)
     back = StepInputs.decode(inputs.encode())
     got = params_from_json(back.ops[0][3])
