@@ -70,8 +70,9 @@ def choose_tokens(logits, draft_logits, sampling_inputs=None, logit_bias=None, t
       sample choose from (then "logits_argmax" / "draft_logits_argmax" are the biased ones and replace the model
       step's); the raw logits stay raw (the host adds the bias itself where it samples, sampling.apply_logit_bias);
     * `token_mask` [B, K1, ceil(V/32)] int32 (the packed masks of the token-choosing columns of rows with a grammar
-      or bans, both ANDed: structured outputs, min_tokens / allowed_token_ids / bad_words; -1 words elsewhere): masked columns choose their argmax / sample among the allowed
-      tokens only; the finite flags and the logprobs stay those of the raw logits;
+      or bans, both ANDed: structured outputs, min_tokens / allowed_token_ids / bad_words; -1 words elsewhere):
+      masked columns choose their argmax / sample among the allowed tokens only; the finite flags and the logprobs
+      stay those of the raw logits;
     * `logprobs` (static): the log-softmax of the raw logits at the device's tokens ("logits_argmax_logprob",
       "logits_sample_logprob") and the MAX_LOGPROBS most likely tokens of every position ("logits_top_ids",
       "logits_top_logprobs"): a top-k over the whole vocabulary, so only in steps where a row reads them."""
