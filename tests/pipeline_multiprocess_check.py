@@ -25,7 +25,7 @@ import flashnext_jax as fj
 from flashnext_jax import multihost
 from flashnext_jax.engine import Engine
 from flashnext_jax.sampling import SamplingParams
-from pipeline_runs import MAX_LEN, PROMPTS, logit_diff, run
+from pipeline_runs import MAX_LEN, PROMPTS, logit_diff, run, solo
 
 COMPILED: list[str] = []  # the name of every program XLA built in this process (persistent cache hits included)
 
@@ -81,11 +81,13 @@ def stops_together(lm, pid: int, how: str) -> dict:
 
 def crossings(lm) -> dict:
     """What crosses from the last stage's process each step (PipelineRunner.outputs_sent: the names and bytes):
-    a greedy request, then (the control) one sampled with a temperature, which with MTP drafts verifies and
-    proposes on the host from the raw logits."""
+    a greedy request, then (the control) one sampled with a temperature and a repetition penalty, which with MTP
+    drafts verifies and proposes on the host from the raw logits (without a penalty it samples and verifies on the
+    device: device_sampling.device_sampled)."""
     res = {"vocab_size": lm.runner.vocab_size}
+    host = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True, repetition_penalty=1.2)
     for name, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
-                         ("host_sampled", SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))):
+                         ("host_sampled", host)):
         lm.runner.outputs_sent.clear()
         out = lm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
         res[name] = {"tokens": out[0].token_ids, "sent": [[list(n), b] for n, b in lm.runner.outputs_sent]}
@@ -99,7 +101,9 @@ def main(pid: int, port: int):
     res["precompiled"] = compiles_in_requests(True)  # first: no earlier engine has run any of its programs
     res["not_precompiled"] = compiles_in_requests(False)
     t0 = time.perf_counter()
-    res["pp2"], logits2, lm = run(None, 2)
+    # one page-table width (RealRunner's own choice, as the PP=1 oracle runs): one step shape, not 4 (1, 2, 4, 8
+    # pages); widths growing in both processes are test_server_multiprocess.py's (a served PP=2 on "auto")
+    res["pp2"], logits2, lm = run(None, 2, page_table_width="max")
     res["pp2_seconds"] = time.perf_counter() - t0
     shared = Path(tempfile.gettempdir()) / f"pp_mp_logits_{port}.pickle"  # process 1's: it holds the last stage
     if pid == 1:
@@ -117,7 +121,7 @@ def main(pid: int, port: int):
         res["logits_here"] = logits_here
         shared.unlink()
     else:
-        res["solo"] = [model.generate(p, 10) for p in PROMPTS]
+        res["solo"] = solo(model)
     print(json.dumps(res), flush=True)
 
 

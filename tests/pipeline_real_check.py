@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import flashnext_jax as fj  # noqa: E402
 from flashnext_jax.runner import RealRunner  # noqa: E402
 from flashnext_jax.stages import StagePlanError  # noqa: E402
-from pipeline_runs import MAX_LEN, PROMPTS, logit_diff, run  # noqa: E402
+from pipeline_runs import MAX_LEN, PROMPTS, logit_diff, run, solo  # noqa: E402
 
 
 def precompiled(pp=3):
@@ -53,16 +53,17 @@ def errors():
 def main():
     model = fj.load(dtype="float32")
     res, logits = {}, {}
-    for pp in (1, 2, 3):
-        res[pp], logits[pp], _ = run(model, pp)
+    # PP=2 (and the token-kind run below) on one page-table width, as PP=1 runs (RealRunner.one_page_width): one
+    # step shape instead of 4; PP=3 and precompiled() on the pipeline's default, widths of 1, 2, 4, 8 pages
+    for pp, width in ((1, "auto"), (2, "max"), (3, "auto")):
+        res[pp], logits[pp], _ = run(model, pp, page_table_width=width)
     diffs = {pp: logit_diff(logits[1], logits[pp]) for pp in (2, 3)}
     # the token-kind scheduling (EngineConfig.token_kinds) through the stages: each stage's program traced with
     # the rows' kinds (pipeline._StageFn)
-    kinds, _, _ = run(model, 2, batch_invariant=True, token_kinds=True)
-    solo = [model.generate(p, 10) for p in PROMPTS]
+    kinds, _, _ = run(model, 2, batch_invariant=True, token_kinds=True, page_table_width="max")
     print(json.dumps({"results": {str(k): v for k, v in res.items()}, "logit_diffs": {str(k): v for k, v in
                                                                                     diffs.items()},
-                      "solo": solo, "errors": errors(), "precompiled": precompiled(),
+                      "solo": solo(model), "errors": errors(), "precompiled": precompiled(),
                       "token_kinds": {k: kinds[k] for k in ("tokens", "again", "sampled", "prefix_hits")},
                       "devices": len(jax.devices())}))
 

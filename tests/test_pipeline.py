@@ -3,7 +3,7 @@
 The checks run in one subprocess (tests/pipeline_real_check.py: XLA_FLAGS has to be set before jax is imported,
 and this process keeps seeing one device). Oracles: PP=1 (the one-stage engine) and `Model.generate` (dense
 state, no store); two concurrent requests of mixed lengths, MTP k=1, prefix caching, chunked prefill (6-token
-budget), rows permuted every step.
+budget), rows permuted every step. PP=2 runs on one page-table width (one step shape), PP=3 on the bucketed widths.
 """
 
 import json

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_runs import PROMPTS
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -75,24 +77,26 @@ def test_two_processes_pass_a_hidden_state_by_ppermute():
     assert all(r["ppermute"] == "ok" for r in results), results
 
 
-def test_generate_in_two_processes_prints_the_one_process_tokens():
-    """`flashnext generate --pipeline-parallel-size 2 --coordinator-address ... --process-id i` in each process
-    (no MTP: the draft logits are empty and do not cross) prints Model.generate's tokens in both."""
-    import flashnext_jax as fj
-
-    def generate(i, port):
-        return [sys.executable, "-m", "flashnext_jax.cli", "generate", "--token-ids", "5,9,2,7,1",
-                "--max-new-tokens", "6", "--dtype", "float32", "--pipeline-parallel-size", "2",
-                "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-    outs = _two_processes(generate, 400, {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_cli_mp")})
-    expected = f"output_token_ids: {fj.load(dtype='float32').generate([5, 9, 2, 7, 1], 6)}"
-    assert all(expected in out.splitlines() for out in outs), outs
-
-
 @pytest.fixture(scope="module")
 def engines():
     return _last_json(_two_processes(_script(ROOT / "tests" / "pipeline_multiprocess_check.py"), 600,
                                      {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_pp_mp")}))
+
+
+def test_generate_in_two_processes_prints_the_one_process_tokens(engines):
+    """`flashnext generate --pipeline-parallel-size 2 --coordinator-address ... --process-id i` in each process
+    (no MTP: the draft logits are empty and do not cross) prints Model.generate's tokens in both (process 1's
+    Model.generate of the same prompt in `engines`: no third compile of it here)."""
+    prompt, tokens = PROMPTS[1], engines[1]["solo"][1]
+
+    def generate(i, port):
+        return [sys.executable, "-m", "flashnext_jax.cli", "generate", "--token-ids", ",".join(map(str, prompt)),
+                "--max-new-tokens", str(len(tokens)), "--dtype", "float32", "--pipeline-parallel-size", "2",
+                "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+    outs = _two_processes(generate, 400, {"JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache_cli_mp")})
+    assert len(tokens) == 10
+    expected = f"output_token_ids: {tokens}"
+    assert all(expected in out.splitlines() for out in outs), outs
 
 
 def test_each_process_holds_its_own_stage(engines):
@@ -123,8 +127,8 @@ def test_two_process_pipeline_logits_equal_one_process(engines):
 def test_only_small_outputs_cross_in_a_greedy_step(engines):
     """Each step sends from the last stage's process only what the other host loops read: in a greedy request's
     steps the argmax and finite flags (a few bytes a row; no raw logits: none crossed in the whole greedy run
-    either). Control: a request sampled with a temperature (MTP: verified and proposed on the host) sends the raw
-    logits in its sampling steps, and both processes draw the same tokens from them."""
+    either). Control: a request sampled with a temperature and a penalty (MTP: verified and proposed on the host)
+    sends the raw logits in its sampling steps, and both processes draw the same tokens from them."""
     p0, p1 = engines
     assert p0["logits_here"] == 0
     c0, c1 = p0["crossings"], p1["crossings"]

@@ -79,7 +79,9 @@ def kind_violations(tickets: list, prompts: dict, decode_tokens: int) -> list[st
     return bad
 
 
-def run_recorded(lm, prompts, sp):
+def run_recorded(lm, prompts, sp, until=None):
+    """(outputs, every step's ticket, {request id: prompt length}); until(tickets, lens): step only until it holds
+    (the outputs then None)."""
     eng = lm.engine
     tickets, lens = [], {}
     make = eng._make_ticket
@@ -91,8 +93,13 @@ def run_recorded(lm, prompts, sp):
         return t
 
     eng._make_ticket = record
-    outs = lm.generate(prompts, sp)
-    return outs, tickets, lens
+    if until is None:
+        return lm.generate(prompts, sp), tickets, lens
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    while eng.has_unfinished() and not until(tickets, lens):
+        eng.step()
+    return None, tickets, lens
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +147,11 @@ def test_scheduler_keeps_prompt_and_generated_tokens_apart(demo_runner):
 
 
 def test_the_rule_check_fails_without_kinds(demo_runner):
-    """Control: the same run scheduled without kinds breaks the rules the test above checks."""
+    """Control: the same run scheduled without kinds breaks the rules the test above checks (stepped until the
+    first broken rule: the steps after it would only compile more step shapes)."""
     sp = fj.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     lm = _lm(demo_runner, False)
-    _, tickets, lens = run_recorded(lm, PROMPTS, sp)
+    _, tickets, lens = run_recorded(lm, PROMPTS, sp, until=lambda t, n: kind_violations(t, n, lm.engine._decode_tokens))
     assert kind_violations(tickets, lens, lm.engine._decode_tokens)
 
 
@@ -188,10 +196,12 @@ _SOLO: list = []
 
 
 def _solo_runs() -> list:
-    """Each of KERNEL_PROMPTS alone, made once for both tests below. (A solo run's steps hold prompt tokens only or
-    one generated token, so the control's naive rule would route them as the real one does.)"""
+    """Each of KERNEL_PROMPTS alone, made once for both tests below, on the engine the batched run then uses (its
+    programs compiled once: the solo runs' 2-row steps, then the batched run's 4-row ones and its 2-row decode
+    step). (A solo run's steps hold prompt tokens only or one generated token, so the control's naive rule would
+    route them as the real one does.)"""
     if not _SOLO:
-        solo = _quantized_demo_llm(1, 32)
+        _QUANTIZED["llm"] = solo = _quantized_demo_llm(3, 32)
         _SOLO.extend(solo.generate([p], KERNEL_PARAMS)[0] for p in KERNEL_PROMPTS)
     return _SOLO
 
@@ -200,12 +210,13 @@ def _kernel_run(monkeypatch, route_by_shape: bool) -> tuple[list, list]:
     """(batched outputs, solo outputs) of KERNEL_PROMPTS; route_by_shape: the naive rule (a prefill-shaped step
     sends every token to the tensor-core kernel), the control."""
     alone = _solo_runs()  # before the control's rule: the reference stays the real one
+    batched = _QUANTIZED["llm"]  # the solo runs' engine, idle again: programs traced with the real rule
     if route_by_shape:
         real = token_kinds.by_kind
         monkeypatch.setattr(token_kinds, "by_kind", lambda x, gen, prompt: (
             gen(x) if token_kinds.current() is not None and token_kinds.current().all_generated else prompt(x))
             if token_kinds.current() is not None else real(x, gen, prompt))
-    batched = _quantized_demo_llm(3, 32)
+        batched = _quantized_demo_llm(3, 32)  # a new runner: its programs traced with the naive rule
     assert batched.engine.cfg.token_kinds
     outs = batched.generate(KERNEL_PROMPTS, KERNEL_PARAMS)
     return outs, alone
