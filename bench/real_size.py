@@ -29,10 +29,10 @@ Acceptance: with random weights the MTP head's drafts are almost never the model
 (bench only: a monkeypatch of the two verification functions the engine's commit calls, restored on exit) makes the
 engine accept the drafts by a pattern: "none", "all" or "alternate" (all, none, all, ... per request), so the
 verify step (2 tokens per row) and the draft (computed in every MTP step) are timed with the engine's own
-bookkeeping for each outcome. Greedy rows take the model's argmax after the accepted drafts; sampled rows run the
-engine's host rejection sampling with each draft's q set so that its test accepts or rejects (q[d] = 0 or inf).
-Random-weight logits are flat, so host top-p (sampled MTP rows) takes its full-sort fallback: slower than a trained
-model's peaked distributions.
+bookkeeping for each outcome. Greedy rows take the model's argmax after the accepted drafts; sampled rows (verified
+on the device since stop 49) take the accepted drafts and the device's token of the column after them. Random-weight
+logits are flat, so top-p (sampled rows) takes its full-sort fallback: slower than a trained model's peaked
+distributions.
 
 Per configuration (engine, context, B, sampling, pattern): `--warm` steps untimed (the rows' first token, first
 launches, a new sampler), `--steps` steps timed one by one (ms per step: median; tokens/s: tokens emitted over the
@@ -115,16 +115,19 @@ def forced_acceptance(pattern: str | None):
     nothing changes.
 
     Bench only: replaces `sampling.verify_argmax` (greedy rows: the tokens are the accepted drafts and the device's
-    argmax after them, as the real function returns them) and `sampling.verify` (sampled rows: the real function,
-    given draft probabilities q with q[d] = 0, which its test always accepts, or q[d] = inf, which it always
-    rejects and resamples from p without d) on the module, which `Engine._commit_row` reads at each call; both are
-    put back on exit, so engines outside the block run exactly as without it."""
+    argmax after them, as the real function returns them), `sampling.verify_sampled` (sampled rows verified on the
+    device: the accepted drafts and the device's token of the column after them) and `sampling.verify` (rows
+    sampled on the host, with penalties: the real function, given draft probabilities q with q[d] = 0, which its
+    test always accepts, or q[d] = inf, which it always rejects and resamples from p without d) on the module,
+    which `Engine._commit_row` reads at each call; all are put back on exit, so engines outside the block run
+    exactly as without it."""
     if pattern is None:
         yield
         return
     if pattern not in PATTERNS:
         raise ValueError(f"acceptance pattern must be one of {PATTERNS}, got {pattern!r}")
-    real_verify, real_verify_argmax = sampling.verify, sampling.verify_argmax
+    real_verify, real_verify_argmax, real_verify_sampled = sampling.verify, sampling.verify_argmax, \
+        sampling.verify_sampled
     calls: collections.Counter = collections.Counter()
 
     def accepted(rid: str, nd: int) -> int:
@@ -135,6 +138,11 @@ def forced_acceptance(pattern: str | None):
         m = accepted(rid, len(drafts))
         sampling.check_finite_flags(finite, rid)
         return m, list(drafts[:m]) + [int(argmax[m])]
+
+    def verify_sampled(tokens, accepted_, finite, drafts, rid="?"):
+        m = accepted(rid, len(drafts))
+        sampling.check_finite_flags(finite, rid)
+        return m, list(drafts[:m]) + [int(tokens[m])]
 
     def verify(target, drafts, draft_probs, params, tokens, num_out, rid="?", allowed=None):
         if params.greedy:
@@ -147,11 +155,12 @@ def forced_acceptance(pattern: str | None):
             forced.append(q)
         return real_verify(target, drafts, forced, params, tokens, num_out, rid, allowed)
 
-    sampling.verify, sampling.verify_argmax = verify, verify_argmax
+    sampling.verify, sampling.verify_argmax, sampling.verify_sampled = verify, verify_argmax, verify_sampled
     try:
         yield
     finally:
-        sampling.verify, sampling.verify_argmax = real_verify, real_verify_argmax
+        sampling.verify, sampling.verify_argmax, sampling.verify_sampled = (real_verify, real_verify_argmax,
+                                                                            real_verify_sampled)
 
 
 # ------------------------------------------------------------------------------------------------ the plan

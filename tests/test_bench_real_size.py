@@ -10,7 +10,7 @@ from bench import real_size
 from flashnext_jax import sampling
 from flashnext_jax.sampling import SamplingParams
 
-ENGINE_FUNCTIONS = (sampling.verify, sampling.verify_argmax)
+ENGINE_FUNCTIONS = (sampling.verify, sampling.verify_argmax, sampling.verify_sampled)
 
 
 def test_forced_acceptance_greedy_patterns():
@@ -37,14 +37,24 @@ def test_forced_acceptance_sampled_rows_run_the_engines_rejection_sampling():
     assert m == 0 and tokens[0] != draft and len(tokens) == 1
 
 
+def test_forced_acceptance_device_sampled_rows():
+    """Rows verified on the device: the accepted drafts, then the device's token of the column after them."""
+    tokens, accepted, finite = np.array([9, 4]), np.array([False]), np.array([True, True])
+    with real_size.forced_acceptance("all"):  # the device rejected draft 9 (its draw 9 is a stand-in): forced in
+        assert sampling.verify_sampled(tokens, accepted, finite, [9], "r") == (1, [9, 4])
+    with real_size.forced_acceptance("none"):
+        assert sampling.verify_sampled(np.array([7, 4]), np.array([True]), finite, [7], "r") == (0, [7])
+
+
 def test_forced_acceptance_restores_the_engine_functions():
+    engine_functions = lambda: (sampling.verify, sampling.verify_argmax, sampling.verify_sampled)  # noqa: E731
     with pytest.raises(RuntimeError):
         with real_size.forced_acceptance("all"):
-            assert sampling.verify is not ENGINE_FUNCTIONS[0]
+            assert all(a is not b for a, b in zip(engine_functions(), ENGINE_FUNCTIONS))
             raise RuntimeError("a failing run")
-    assert (sampling.verify, sampling.verify_argmax) == ENGINE_FUNCTIONS
+    assert engine_functions() == ENGINE_FUNCTIONS
     with real_size.forced_acceptance(None):
-        assert (sampling.verify, sampling.verify_argmax) == ENGINE_FUNCTIONS
+        assert engine_functions() == ENGINE_FUNCTIONS
 
 
 def test_tiny_run_writes_the_summary_and_forced_all_gives_two_tokens_per_step(tmp_path):
@@ -66,4 +76,4 @@ def test_tiny_run_writes_the_summary_and_forced_all_gives_two_tokens_per_step(tm
     verify = next(r for r in rows if r["mtp"] and r["batch"] == 1 and r["sampling"] == "greedy" and r["pattern"] == "all")
     assert verify["profile"]["kernels_per_step"] > 0 and verify["acceptance"] == 1.0
     assert all(e["model_steps_compiled_in_runs"] == 0 for e in result["engines"].values())  # all precompiled
-    assert (sampling.verify, sampling.verify_argmax) == ENGINE_FUNCTIONS
+    assert (sampling.verify, sampling.verify_argmax, sampling.verify_sampled) == ENGINE_FUNCTIONS
