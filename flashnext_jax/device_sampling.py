@@ -75,40 +75,43 @@ class SamplingInputs:
     drafts: jax.Array | None = None  # verify form: [B, columns] int32, the draft token a column tests (-1: none)
 
     @staticmethod
+    def for_rows(rows: list[tuple[SamplingParams, int] | None], batch_size: int) -> "SamplingInputs":
+        """rows[b] = (params, index of the output token row b samples) or None; numpy arrays (device_put later)."""
+        return SamplingInputs._of_rows(rows, batch_size, 0)
+
+    @staticmethod
     def for_verify_rows(rows: list[tuple[SamplingParams, int, int, Sequence[int]] | None], batch_size: int,
                         columns: int) -> "SamplingInputs":
         """The verify form. rows[b] = (params, index of the row's next output token, the column of its last known
         token, its drafts) or None. Column first + i holds output token index + i: it tests drafts[i] (i < nd) or
         draws the bonus (i = nd), with the key of that output index, so a token's randomness is its request's
         alone (not the column, which depends on how the prompt was chunked beside other rows)."""
-        plain = SamplingInputs.for_rows([None if r is None else r[:2] for r in rows], batch_size)
-        key_data = np.zeros((batch_size, columns, 2), np.uint32)
-        drafts = np.full((batch_size, columns), -1, np.int32)
-        for b, row in enumerate(rows):
-            if row is None:
-                continue
-            p, index, first, row_drafts = row
-            for i in range(len(row_drafts) + 1):
-                key_data[b, first + i] = np.random.SeedSequence(
-                    [p.seed or 0, index + i, _PURPOSE_VERIFY]).generate_state(2, np.uint32)
-            drafts[b, first: first + len(row_drafts)] = row_drafts
-        return dataclasses.replace(plain, key_data=key_data, columns=columns, drafts=drafts)
+        return SamplingInputs._of_rows(rows, batch_size, columns)
 
     @staticmethod
-    def for_rows(rows: list[tuple[SamplingParams, int] | None], batch_size: int) -> "SamplingInputs":
-        """rows[b] = (params, index of the output token row b samples) or None; numpy arrays (device_put later)."""
+    def _of_rows(rows: list, batch_size: int, columns: int) -> "SamplingInputs":
         temperature = np.ones(batch_size, np.float32)
         top_k = np.zeros(batch_size, np.int32)
         top_p = np.ones(batch_size, np.float32)
         min_p = np.zeros(batch_size, np.float32)
-        key_data = np.zeros((batch_size, 2), np.uint32)
+        key_data = np.zeros((batch_size, columns, 2) if columns else (batch_size, 2), np.uint32)
+        drafts = np.full((batch_size, columns), -1, np.int32) if columns else None
+        key = lambda p, index, purpose: np.random.SeedSequence(  # noqa: E731
+            [p.seed or 0, index, purpose]).generate_state(2, np.uint32)
         for b, row in enumerate(rows):
             if row is None:
                 continue
-            p, index = row
+            p, index = row[:2]
             temperature[b], top_k[b], top_p[b], min_p[b] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
-            key_data[b] = np.random.SeedSequence([p.seed or 0, index, _PURPOSE]).generate_state(2, np.uint32)
-        return SamplingInputs(temperature, top_k, top_p, min_p, key_data, *mask_modes(top_k, top_p))
+            if not columns:
+                key_data[b] = key(p, index, _PURPOSE)
+                continue
+            first, row_drafts = row[2:]
+            for i in range(len(row_drafts) + 1):
+                key_data[b, first + i] = key(p, index + i, _PURPOSE_VERIFY)
+            drafts[b, first: first + len(row_drafts)] = row_drafts
+        return SamplingInputs(temperature, top_k, top_p, min_p, key_data, *mask_modes(top_k, top_p),
+                              columns=columns, drafts=drafts)
 
     @property
     def masks(self) -> tuple:

@@ -304,8 +304,8 @@ class Engine:
         if device_sampled(p, self.cfg.num_speculative_tokens):
             masks = mask_modes([max(p.top_k, 0)], [p.top_p]) + self._verify_columns()
         bias = LogitBias.width(len(p.logit_bias)) if p.logit_bias else 0
-        return SamplerKey(b, masks, self._device_logprobs([p]), bias, p.structured_outputs is not None or (
-            TokenBans.of(p, self.runner.vocab_size, self.runner.eos_token_id) is not None))
+        return SamplerKey(b, masks, self._device_logprobs([p]), bias,
+                          p.structured_outputs is not None or TokenBans.applies(p))
 
     def _verify_columns(self) -> tuple:
         """The verify form's part of a sampler key: (K1,) in an engine with MTP drafts, where device-sampled rows
@@ -469,11 +469,8 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:5]} outside vocab [0, {self.runner.vocab_size})")
-        bad = [t for t in params.logit_bias or () if t >= self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} outside vocab "
-                             f"[0, {self.runner.vocab_size})")
-        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+        for field, ids in (("logit_bias", params.logit_bias or ()),
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
             bad = [t for t in ids if t >= self.runner.vocab_size]
             if bad:

@@ -25,7 +25,7 @@ from pallas_kernels import fixed_order
 from .engine import Engine, EngineConfig
 from .model_runner import ModelRunner
 from .media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, MediaLimits, chat_inputs, image_limit
-from .sampling import SamplingParams, TokenLogprob
+from .sampling import SamplingParams, TokenLogprob, truncate_prompt
 from .scheduler import Request
 from .structured_output import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer, toy_tokenizer
@@ -88,7 +88,6 @@ def _load(model: Any, dtype: str, k: int, tokenizer, device: str | None = None, 
     return runner, tok
 
 
-
 class StopStrings:
     """A request's stop-string check (Request.stop_checker): called with the output ids after each new token, it
     feeds the request's detokenizer and looks for a stop string in the new text (and the few characters before it
@@ -106,6 +105,7 @@ class StopStrings:
             self.floor = len(self.detok.text)
             return False
         return any(self.detok.text.find(s, max(0, before - len(s) + 1)) >= 0 for s in self.stops)
+
 
 class LLM:
     def __init__(self, model: Any = None, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 8192,
@@ -273,7 +273,7 @@ class LLM:
         if params.truncate_prompt_tokens is not None:
             if images is not None:
                 raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their pads)")
-            ids = params.truncated_prompt(ids, self.engine.cfg.max_model_len)
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.cfg.max_model_len)
         checker = None
         if self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer.encode)

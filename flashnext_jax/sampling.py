@@ -167,10 +167,6 @@ class SamplingParams:
 
         return dataclasses.replace(self, bad_words_token_ids=bad_words_token_ids(self.bad_words, encode))
 
-    def truncated_prompt(self, ids: Sequence[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens ids (`truncate_prompt`)."""
-        return truncate_prompt(ids, self.truncate_prompt_tokens, max_model_len)
-
     def with_defaults(self) -> "SamplingParams":
         """A sampled request without a seed gets a random one now, so its whole stream is fixed from here on."""
         if self.seed is None and not self.greedy:

@@ -56,12 +56,17 @@ class TokenBans:
         self.bad_words = [tuple(w) for w in bad_words]
         self.longest_prefix = max((len(w) for w in self.bad_words), default=1) - 1
 
+    @staticmethod
+    def applies(params) -> bool:
+        """Whether SamplingParams `params` restricts any token (so its rows take token masks)."""
+        return bool(params.min_tokens or params.allowed_token_ids is not None or params.bad_words_token_ids)
+
     @classmethod
     def of(cls, params, vocab_size: int, eos_token_id: int | None) -> "TokenBans | None":
         """The restrictions of SamplingParams `params` (None when it has none)."""
-        words = params.bad_words_token_ids or ()
-        if not (params.min_tokens or params.allowed_token_ids is not None or words):
+        if not cls.applies(params):
             return None
+        words = params.bad_words_token_ids or ()
         stops = list(params.stop_token_ids) + ([] if eos_token_id is None else [eos_token_id])  # (with ignore_eos too,
         # as vLLM: its min-tokens processor bans every stop token id, the model's EOS included)
         return cls(vocab_size, params.min_tokens, stops, params.allowed_token_ids, words)

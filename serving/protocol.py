@@ -103,8 +103,9 @@ class _Sampling(_Strict):
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
         """The request's sampling fields into SamplingParams (which validates them); fields the request leaves
         out take `defaults` (the model's generation config, vLLM's --generation-config) or SamplingParams'."""
+        # (truncate_prompt_tokens: the server cuts the prompt itself, before its context-length check)
         names = {f.name for f in dataclasses.fields(SamplingParams)} & set(type(self).model_fields) - {
-            "logprobs", "logit_bias", "structured_outputs"}
+            "logprobs", "logit_bias", "structured_outputs", "truncate_prompt_tokens"}
         given = {k: v for k, v in self.model_dump(include=names).items() if v is not None}
         fields = {k: v for k, v in defaults.items() if k in names} | given
         return SamplingParams(**fields | {"max_tokens": max_tokens, "logprobs": self.num_logprobs(),
